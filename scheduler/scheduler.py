@@ -1,0 +1,429 @@
+"""The continuous-batching scheduler.
+
+There is no separate prefill phase and decode phase: every step has a token budget
+(`max_num_batched_tokens`) and a row budget (`max_num_seqs`) and fills them in this
+order (vLLM's policy):
+
+1. running requests: their decodes first, then their unfinished prompt chunks;
+   when the KV pool cannot grow a decode, the newest running request is preempted
+   (by recompute: free its blocks and put it back at the front of `waiting`; or by
+   swap: copy its blocks to the CPU pool and park it in `swapped`);
+2. swapped requests come back (oldest first), unless this step preempted;
+3. waiting requests are admitted FCFS while blocks and budget last, unless this step
+   preempted or something is still swapped out.
+
+Blocks for a prompt are allocated whole at admission (prefix-cache hits included);
+chunked prefill then computes the prompt over several steps inside those blocks.
+Every function here runs on the controller and touches no tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kv import AllocStatus, BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+
+@dataclass
+class _Scheduled:
+    group: SequenceGroup
+    seq: Sequence
+    num_tokens: int
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self._groups: dict[str, SequenceGroup] = {}  # every unfinished request, by id
+        self._seq_owner: dict[int, SequenceGroup] = {}  # live seq_id -> its request
+        self._next_seq_id = 0
+        self._to_forget: list[int] = []  # seq ids the workers must drop at the next step
+        self._scheduled: list[_Scheduled] = []  # what the last schedule() ran, for update()
+        self._finished: list[SequenceGroup] = []  # finished since the last take_finished()
+        self.num_preemptions_recompute = 0
+        self.num_preemptions_swap = 0
+
+    # ------------------------------------------------------------------ requests
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        seed: int,
+        arrival_time: float | None = None,
+    ) -> SequenceGroup:
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        seq = Sequence(seq_id=self.new_seq_id(), prompt_token_ids=prompt_token_ids, seed=seed, sample_index=0)
+        group = SequenceGroup(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params,
+            seqs=[seq],
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt_logprobs=[None] if sampling_params.prompt_logprobs is not None else None,
+        )
+        self._groups[request_id] = group
+        self._seq_owner[seq.seq_id] = group
+        self.waiting.append(group)
+        return group
+
+    def abort_request(self, request_id: str) -> SequenceGroup | None:
+        """Finish a request wherever it is and free everything it holds. Unknown ids are ignored."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for seq in group.live_seqs():
+            self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+        return group
+
+    def get_group(self, request_id: str) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """End one sequence: free its blocks, tell the workers, and retire the request when it was the last."""
+        assert status.is_finished
+        if seq.is_finished:
+            return
+        group = self._seq_owner.pop(seq.seq_id)
+        seq.status = status
+        seq.stop_reason = stop_reason
+        self.block_manager.free(seq.seq_id)
+        if seq.num_tokens_sent:
+            self._to_forget.append(seq.seq_id)
+        seq.forget_worker_state()
+        if group.is_finished:
+            self._retire(group)
+
+    def take_finished(self) -> list[SequenceGroup]:
+        """Requests that finished since the last call (each returned once)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _retire(self, group: SequenceGroup) -> None:
+        group.finished_time = time.monotonic()
+        self._groups.pop(group.request_id, None)
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        self._finished.append(group)
+
+    def _ignore(self, group: SequenceGroup, reason: str) -> None:
+        group.error = reason
+        for seq in group.live_seqs():
+            self.finish_seq(seq, SequenceStatus.FINISHED_IGNORED)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = _Budget(tokens=self.config.max_num_batched_tokens, seqs=self.config.max_num_seqs)
+        out = SchedulerOutput()
+        self._scheduled = []
+        preempted = self._schedule_running(budget, out)
+        if not preempted:
+            self._schedule_swapped(budget, out)
+        if not preempted and not self.swapped:
+            self._schedule_waiting(budget, out)
+        self._fill_seq_data(out)
+        out.finished_seq_ids, self._to_forget = self._to_forget, []
+        return out
+
+    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> bool:
+        """Decodes first, then prompt chunks; preempts the newest requests when blocks run out."""
+        preempted = False
+        in_prefill = [g for g in self.running if any(s.num_uncomputed_tokens > 1 for s in g.live_seqs())]
+        decoding = [g for g in self.running if g not in in_prefill]
+        scheduled: set[int] = set()
+        for group in decoding + in_prefill:
+            if group not in self.running:  # preempted as a victim earlier in this loop
+                continue
+            while True:
+                plan = self._plan_tokens(group, budget)
+                if plan is None:
+                    break
+                if self._can_grow(plan):
+                    self._commit(group, plan, budget, out)
+                    scheduled.add(id(group))
+                    break
+                victim = next(g for g in reversed(self.running) if id(g) not in scheduled)
+                self._preempt(victim, out)
+                preempted = True
+                if victim is group:
+                    break
+        return preempted
+
+    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seq_ids = [s.seq_id for s in group.live_seqs()]
+            status = self.block_manager.can_swap_in(seq_ids)
+            if status is AllocStatus.NEVER:
+                self._ignore(group, "the request no longer fits the KV cache after being swapped out")
+                continue
+            if status is AllocStatus.LATER or budget.seqs < len(seq_ids):
+                return
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_ids))
+            for seq in group.live_seqs():
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            plan = self._plan_tokens(group, budget)
+            if plan is not None and self._can_grow(plan):
+                self._commit(group, plan, budget, out)
+
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        while self.waiting and budget.tokens > 0:
+            group = self.waiting[0]
+            seqs = group.live_seqs()
+            longest = max(s.num_tokens for s in seqs)
+            if longest > self.config.max_model_len:
+                self.waiting.pop(0)
+                self._ignore(group, f"the prompt ({longest} tokens) is longer than max_model_len "
+                             f"({self.config.max_model_len})")
+                continue
+            if budget.seqs < len(seqs):
+                return
+            if not self.config.enable_chunked_prefill and longest > budget.tokens:
+                return
+            statuses = [bm.can_allocate(s.token_ids) for s in seqs]
+            if AllocStatus.NEVER in statuses:
+                self.waiting.pop(0)
+                self._ignore(group, f"the prompt ({longest} tokens) needs more KV blocks than the whole cache "
+                             f"holds ({bm.num_device_blocks} blocks)")
+                continue
+            if AllocStatus.LATER in statuses or not self._allocate_all(seqs):
+                return
+            self.waiting.pop(0)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = time.monotonic()
+            plan = self._plan_tokens(group, budget)
+            if plan is not None and self._can_grow(plan):
+                self._commit(group, plan, budget, out)
+
+    def _allocate_all(self, seqs: list[Sequence]) -> bool:
+        """Allocate every sequence of a group, or none (a recomputed fork needs one table per sequence)."""
+        done: list[Sequence] = []
+        for seq in seqs:
+            if done and self.block_manager.can_allocate(seq.token_ids) is not AllocStatus.OK:
+                for d in done:
+                    self.block_manager.free(d.seq_id)
+                    d.num_computed_tokens = 0
+                return False
+            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            done.append(seq)
+        return True
+
+    def _plan_tokens(self, group: SequenceGroup, budget: _Budget) -> list[tuple[Sequence, int]] | None:
+        """How many tokens each live sequence runs this step, or None if the budget cannot take the group."""
+        plan: list[tuple[Sequence, int]] = []
+        tokens_left = budget.tokens
+        for seq in group.live_seqs():
+            want = seq.num_uncomputed_tokens
+            n = min(want, tokens_left)
+            if n <= 0 or (n < want and not self.config.enable_chunked_prefill):
+                break
+            plan.append((seq, n))
+            tokens_left -= n
+        if not plan or len(plan) > budget.seqs:
+            return None
+        return plan
+
+    def _can_grow(self, plan: list[tuple[Sequence, int]]) -> bool:
+        return self.block_manager.can_append_slots(
+            [(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens) for seq, n in plan]
+        )
+
+    def _commit(
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], budget: _Budget, out: SchedulerOutput
+    ) -> None:
+        for seq, n in plan:
+            out.blocks_to_copy.extend(
+                self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens)
+            )
+            self._scheduled.append(_Scheduled(group, seq, n))
+            budget.tokens -= n
+            budget.seqs -= 1
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        seqs = group.live_seqs()
+        seq_ids = [s.seq_id for s in seqs]
+        self.running.remove(group)
+        if self._prefers_swap(group) and self.block_manager.can_swap_out(seq_ids):
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_ids))
+            status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.swapped.sort(key=lambda g: g.arrival_time)
+            self.num_preemptions_swap += 1
+        else:
+            for seq in seqs:
+                self.block_manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+            status = SequenceStatus.WAITING
+            self.waiting.insert(0, group)
+            if group.wants_prompt_logprobs:
+                group.prompt_logprobs = [None]  # collected again from the start
+            self.num_preemptions_recompute += 1
+        for seq in seqs:
+            seq.status = status
+            if seq.num_tokens_sent:
+                self._to_forget.append(seq.seq_id)
+            seq.forget_worker_state()
+
+    def _prefers_swap(self, group: SequenceGroup) -> bool:
+        mode = self.config.preemption_mode
+        if mode != "auto":
+            return mode == "swap"
+        seqs = group.live_seqs()
+        # Recompute throws away one sequence's work cheaply; for several sequences (or one whose
+        # recompute would take more than a whole step of budget) copying the blocks out costs less.
+        return len(seqs) > 1 or max(s.num_computed_tokens for s in seqs) > self.config.max_num_batched_tokens
+
+    def _fill_seq_data(self, out: SchedulerOutput) -> None:
+        """Turn this step's plan into full data for sequences new to the workers, deltas for the rest."""
+        for item in self._scheduled:
+            group, seq, n = item.group, item.seq, item.num_tokens
+            table = self.block_manager.get_block_table(seq.seq_id)
+            if seq.num_tokens_sent == 0:
+                out.new_seqs.append(
+                    NewSeqData(
+                        seq_id=seq.seq_id,
+                        token_ids=seq.token_ids,
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        block_ids=table,
+                        num_computed_tokens=seq.num_computed_tokens,
+                        num_scheduled_tokens=n,
+                        sampling_params=group.sampling_params,
+                        seed=seq.seed,
+                        sample_index=seq.sample_index,
+                    )
+                )
+            else:
+                sent = seq.block_table_sent
+                kept = 0
+                limit = min(len(sent), len(table))
+                while kept < limit and sent[kept] == table[kept]:
+                    kept += 1
+                out.cached_seqs.append(
+                    CachedSeqData(
+                        seq_id=seq.seq_id,
+                        new_token_ids=seq.token_ids[seq.num_tokens_sent :],
+                        num_kept_blocks=kept,
+                        new_block_ids=table[kept:],
+                        num_computed_tokens=seq.num_computed_tokens,
+                        num_scheduled_tokens=n,
+                    )
+                )
+            seq.num_tokens_sent = seq.num_tokens
+            seq.block_table_sent = table
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
+            if group.wants_prompt_logprobs and seq is group.seqs[0]:
+                out.prompt_logprobs_seq_ids.append(seq.seq_id)
+
+    # ------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
+        """Apply a step's results: advance computed tokens, append samples, fork, stop.
+
+        Returns the requests that got new tokens this step, in batch order. Requests finished for any
+        other reason (aborted, ignored) are reported by `take_finished`.
+        """
+        touched: dict[str, SequenceGroup] = {}
+        for item in self._scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and update()
+                continue
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for seq_id, entries in result.prompt_logprobs.items():
+            group = self._seq_owner.get(seq_id)
+            if group is not None and group.prompt_logprobs is not None:
+                group.prompt_logprobs.extend(entries)
+        now = time.monotonic()
+        for seq_id, sample in result.samples.items():
+            group = self._seq_owner.get(seq_id)
+            if group is None:
+                continue
+            parent = next(s for s in group.seqs if s.seq_id == seq_id)
+            targets = [parent]
+            if group.wants_fork and len(sample.token_ids) > 1:
+                targets += self._fork(group, parent, len(sample.token_ids) - 1)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            for k, seq in enumerate(targets):
+                seq.output_token_ids.append(sample.token_ids[k])
+                seq.cumulative_logprob += sample.cumulative_logprob_deltas[k]
+                if sample.logprobs is not None:
+                    seq.output_logprobs.append(sample.logprobs[k])
+                self._check_stop(group, seq)
+            touched[group.request_id] = group
+        self._scheduled = []
+        return list(touched.values())
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, num_children: int) -> list[Sequence]:
+        group.forked = True
+        children = []
+        for k in range(1, num_children + 1):
+            child = Sequence(
+                seq_id=self.new_seq_id(),
+                prompt_token_ids=parent.prompt_token_ids,
+                seed=parent.seed,
+                sample_index=k,
+                output_token_ids=list(parent.output_token_ids),
+                status=SequenceStatus.RUNNING,
+                num_computed_tokens=parent.num_computed_tokens,
+                cumulative_logprob=parent.cumulative_logprob,
+            )
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self._seq_owner[child.seq_id] = group
+            group.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        params = group.sampling_params
+        token = seq.output_token_ids[-1]
+        num_out = len(seq.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=token)
+                return
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+                return
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len
+        if num_out >= max_tokens or seq.num_tokens >= self.config.max_model_len:
+            self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
