@@ -219,8 +219,8 @@ class Scheduler:
             statuses = [bm.can_allocate(s.token_ids) for s in seqs]
             if AllocStatus.NEVER in statuses:
                 self.waiting.pop(0)
-                self._ignore(group, f"the prompt ({longest} tokens) needs more KV blocks than the whole cache "
-                             f"holds ({bm.num_device_blocks} blocks)")
+                self._ignore(group, f"the prompt ({longest} tokens) needs more KV blocks than the cache can ever give one request "
+                             f"({bm.num_device_blocks} blocks in all, less the free-block watermark)")
                 continue
             if AllocStatus.LATER in statuses or not self._allocate_all(seqs):
                 return

@@ -1,0 +1,318 @@
+"""The paged-KV block manager: maps each sequence's logical blocks to physical device (or CPU swap) blocks.
+
+Allocation is V0 style: a sequence gets blocks for its whole prompt when admitted, and chunked prefill then
+computes over blocks it already holds; decoding grows the table block by block through `append_slots`.
+
+Contract with the cache engine: the (src, dst) pairs returned in one scheduler step are valid when applied as
+swap-outs, then swap-ins, then copy-on-write copies, all before that step's forward pass. That holds because
+the scheduler calls swap_out (preemption) before swap_in (resumption) within a step, and a block released by
+a swap-out is only ever a destination afterwards, never a source.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kv.block_pool import BlockPool, NoFreeBlocksError
+from kv.prefix_cache import BlockHash, hash_full_blocks, match_prefix
+
+
+class AllocStatus(enum.Enum):
+    """Admission answer. Decision (as vLLM V0): NEVER already when the request would dip into the watermark
+    of an otherwise empty pool, since LATER would then be a promise that can never be kept."""
+
+    OK = enum.auto()  # fits now and leaves at least the watermark free
+    LATER = enum.auto()  # fits, but not now
+    NEVER = enum.auto()  # does not fit even in an empty pool (keeping the watermark free)
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int]  # logical block i -> physical block, on the device or (when swapped) on the CPU
+    on_cpu: bool = False
+    hashes: list[BlockHash] = field(default_factory=list)  # content keys of the leading full blocks seen
+    num_registered: int = 0  # leading blocks already offered to the prefix cache (prefix caching only)
+
+
+class BlockManager:
+    """Block tables over a device pool and a CPU swap pool; pure Python, no tensors.
+
+    Invariants (checked by `check_invariants`): a block's ref count equals the number of table entries
+    pointing to it among sequences on that memory; device blocks partition into free / used /
+    evictable-cached; a block gets a content key only after its KV is computed; `append_slots` never leaves a
+    block with ref > 1 inside a range about to be written (it copies on write first).
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if num_device_blocks <= 0:
+            raise ValueError(f"num_device_blocks must be > 0, got {num_device_blocks}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._device = BlockPool(num_device_blocks)
+        self._cpu = BlockPool(num_cpu_blocks)
+        self._seqs: dict[int, _SeqBlocks] = {}
+        # Metrics, in tokens: prompt tokens looked up, and leading tokens found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # --- admission ---
+
+    def can_allocate(self, token_ids: Sequence[int]) -> AllocStatus:
+        needed = self._blocks_for(len(token_ids))
+        _, hits = self._match_prefix(token_ids)
+        return self._admission(needed, self._cost_of(needed, hits))
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Give `seq_id` blocks for all of `token_ids`; returns how many leading tokens are already computed
+        (whole cached blocks, never the block of the last token: see `match_prefix`)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"seq {seq_id} already has blocks")
+        if not token_ids:
+            raise ValueError("cannot allocate an empty sequence")
+        needed = self._blocks_for(len(token_ids))
+        hashes, hits = self._match_prefix(token_ids)
+        if self._cost_of(needed, hits) > self._device.num_free:
+            raise NoFreeBlocksError(f"seq {seq_id} needs {needed} blocks; check can_allocate first")
+        for block in hits:  # revive hits before allocating, so allocation cannot evict them
+            self._device.incref(block)
+        table = hits + [self._device.allocate() for _ in range(needed - len(hits))]
+        self._seqs[seq_id] = _SeqBlocks(table, hashes=hashes, num_registered=len(hits))
+        num_computed = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(token_ids)
+            self.prefix_cache_hits += num_computed
+        return num_computed
+
+    # --- growth ---
+
+    def can_append_slots(self, appends: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether every `(seq_id, num_total_tokens, num_computed_tokens)`, the arguments of `append_slots` in
+        the order they will be made, fits in the free device blocks, copy-on-write copies included."""
+        pending: Counter[int] = Counter()  # references the earlier appends give up by copying
+        needed = 0
+        for seq_id, num_total, num_computed in appends:
+            cow, new = self._growth(self._device_seq(seq_id), num_total, num_computed, pending)
+            pending.update(cow)
+            needed += len(cow) + new
+        return needed <= self._device.num_free
+
+    def append_slots(
+        self, seq_id: int, num_total_tokens: int, num_computed_tokens: int
+    ) -> list[tuple[int, int]]:
+        """Cover `num_total_tokens` slots; positions [num_computed_tokens, num_total_tokens) get written.
+
+        Every shared block in that range is replaced by a fresh one (copy-on-write); the returned (src, dst)
+        pairs must be copied before the forward pass. A sibling left alone on the original then writes it in
+        place, without a second copy.
+        """
+        seq = self._device_seq(seq_id)
+        cow, new = self._growth(seq, num_total_tokens, num_computed_tokens, Counter())
+        if len(cow) + new > self._device.num_free:
+            raise NoFreeBlocksError(f"seq {seq_id} needs {len(cow) + new} blocks; ask can_append_slots")
+        copies: list[tuple[int, int]] = []
+        first = num_computed_tokens // self.block_size
+        for i in range(first, len(seq.table)):
+            src = seq.table[i]
+            if src in cow:
+                dst = self._device.allocate()
+                self._device.decref(src)  # stays >= 1: the siblings still hold it
+                seq.table[i] = dst
+                copies.append((src, dst))
+        seq.table.extend(self._device.allocate() for _ in range(new))
+        return copies
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """The child shares every block of the parent (on whichever memory the parent is)."""
+        if child_seq_id in self._seqs:
+            raise ValueError(f"seq {child_seq_id} already has blocks")
+        parent = self._seq(parent_seq_id)
+        pool = self._cpu if parent.on_cpu else self._device
+        for block in parent.table:
+            pool.incref(block)
+        self._seqs[child_seq_id] = _SeqBlocks(
+            list(parent.table), parent.on_cpu, list(parent.hashes), parent.num_registered
+        )
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        pool = self._cpu if seq.on_cpu else self._device
+        # Release the tail first: it becomes the older evictable entry, so LRU evicts a chain's end before the
+        # prefix other requests are likelier to share.
+        for block in reversed(seq.table):
+            pool.decref(block)
+
+    # --- prefix caching ---
+
+    def mark_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register every full block of `seq_id` lying within its first `num_computed_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._device_seq(seq_id)
+        num_full = min(num_computed_tokens // self.block_size, len(seq.table))
+        seq.hashes = hash_full_blocks(token_ids, self.block_size, seq.hashes, num_full)
+        for i in range(seq.num_registered, num_full):
+            self._device.register(seq.table[i], seq.hashes[i])
+        seq.num_registered = max(seq.num_registered, num_full)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached content keys; refused (False) while any device block is in use."""
+        return self._device.reset_cache()
+
+    # --- swap ---
+
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        return len(self._distinct_blocks(seq_ids, on_cpu=False)) <= self._cpu.num_free
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move the group to the CPU; returns (device, cpu) pairs, one per distinct block."""
+        return self._move(seq_ids, src=self._device, dst=self._cpu, to_cpu=True)
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> AllocStatus:
+        needed = len(self._distinct_blocks(seq_ids, on_cpu=True))
+        return self._admission(needed, needed)
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Bring the group back to fresh device blocks; returns (cpu, device) pairs, sharing preserved."""
+        return self._move(seq_ids, src=self._cpu, dst=self._device, to_cpu=False)
+
+    # --- queries ---
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        return list(self._seq(seq_id).table)
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._seq(seq_id).on_cpu
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self._device.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._cpu.num_blocks
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        """Free plus evictable cached blocks."""
+        return self._device.num_free
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._cpu.num_free
+
+    def usage(self) -> float:
+        """Fraction of device blocks referenced by live sequences (evictable cached blocks count as free)."""
+        return self._device.num_used / self._device.num_blocks
+
+    def check_invariants(self) -> None:
+        device_refs: Counter[int] = Counter()
+        cpu_refs: Counter[int] = Counter()
+        for seq_id, seq in self._seqs.items():
+            (cpu_refs if seq.on_cpu else device_refs).update(seq.table)
+            assert seq.num_registered <= len(seq.hashes), f"seq {seq_id} registered blocks it has no key for"
+            assert seq.num_registered <= len(seq.table), f"seq {seq_id} registered blocks it does not hold"
+        self._device.check_invariants(device_refs)
+        self._cpu.check_invariants(cpu_refs)
+        assert self._cpu.num_cached == 0, "CPU blocks are never cached"
+
+    # --- internals ---
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _seq(self, seq_id: int) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"seq {seq_id} has no blocks")
+        return seq
+
+    def _device_seq(self, seq_id: int) -> _SeqBlocks:
+        seq = self._seq(seq_id)
+        if seq.on_cpu:
+            raise ValueError(f"seq {seq_id} is swapped out")
+        return seq
+
+    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[BlockHash], list[int]]:
+        if not self.enable_prefix_caching:
+            return [], []
+        return match_prefix(token_ids, self.block_size, self._device.lookup)
+
+    def _admission(self, needed: int, cost: int) -> AllocStatus:
+        """`needed` blocks in all, of which `cost` come out of the free ones now."""
+        if self._device.num_blocks - needed < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self._device.num_free - cost < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def _cost_of(self, needed: int, hits: list[int]) -> int:
+        """Free blocks an allocation consumes: fresh ones, plus evictable hits that it revives."""
+        revived = sum(1 for block in hits if self._device.ref_count(block) == 0)
+        return needed - len(hits) + revived
+
+    def _growth(
+        self, seq: _SeqBlocks, num_total: int, num_computed: int, pending: Counter[int]
+    ) -> tuple[set[int], int]:
+        """Shared blocks that writing [num_computed, num_total) must copy, and how many blocks to append.
+
+        `pending` holds references siblings give up earlier in the same batch of appends.
+        """
+        if not 0 <= num_computed <= num_total:
+            raise ValueError(f"need 0 <= num_computed_tokens ({num_computed}) <= num_total ({num_total})")
+        end = self._blocks_for(num_total)
+        new = max(0, end - len(seq.table))
+        if num_computed == num_total:
+            return set(), new
+        written = seq.table[num_computed // self.block_size : end]
+        cow = {b for b in written if self._device.ref_count(b) - pending[b] > 1}
+        return cow, new
+
+    def _distinct_blocks(self, seq_ids: Sequence[int], on_cpu: bool) -> Counter[int]:
+        """References the group holds to each of its blocks; all its seqs must be on the named memory."""
+        refs: Counter[int] = Counter()
+        for seq_id in dict.fromkeys(seq_ids):
+            seq = self._seq(seq_id)
+            if seq.on_cpu != on_cpu:
+                raise ValueError(f"seq {seq_id} is {'' if seq.on_cpu else 'not '}swapped out")
+            refs.update(seq.table)
+        return refs
+
+    def _move(
+        self, seq_ids: Sequence[int], src: BlockPool, dst: BlockPool, to_cpu: bool
+    ) -> list[tuple[int, int]]:
+        """Swap a group to the other memory; a block shared within the group moves once and stays shared."""
+        refs = self._distinct_blocks(seq_ids, on_cpu=not to_cpu)
+        if len(refs) > dst.num_free:
+            raise NoFreeBlocksError(f"moving {len(refs)} blocks; ask can_swap_{'out' if to_cpu else 'in'}")
+        mapping: dict[int, int] = {}
+        for block, n in refs.items():
+            mapping[block] = dst.allocate()
+            dst.incref(mapping[block], n - 1)  # carry the group's sharing over
+        for seq_id in dict.fromkeys(seq_ids):
+            seq = self._seqs[seq_id]
+            for block in reversed(seq.table):  # a cached source block at ref 0 stays cached on the device
+                src.decref(block)
+            seq.table = [mapping[b] for b in seq.table]
+            seq.on_cpu = to_cpu
+            seq.num_registered = 0  # fresh blocks carry no keys; mark_computed registers them again
+        return list(mapping.items())
