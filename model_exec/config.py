@@ -1,0 +1,210 @@
+"""The model's shape, as our layers need it, normalised from a Hugging Face config.
+
+Torch-free on purpose: the controller reads `ModelConfig` (TP check, EOS ids,
+context length) without loading any tensor library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# rope type -> keys that type requires in `rope_scaling`
+ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_DTYPES = ("float32", "float16", "bfloat16")
+# model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
+_ARCH_BY_MODEL_TYPE: Mapping[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Llama-family model (Llama, Mistral, Qwen2, SmolLM2)."""
+
+    architecture: str  # HF `architectures[0]`; picks the model class from the registry
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else {"rope_type": ..., <that type's parameters>}, never containing rope_theta
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q, k, v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool  # bias on the output projection (Llama's attention_bias only)
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    # parameter dtype name ("float32", "float16", "bfloat16"); from_hf_config takes the checkpoint's,
+    # the engine may replace() it with the dtype the user asked for
+    dtype: str = "float32"
+    # Mistral/Qwen2 sliding-window size; our attention is always full, so this only caps exactness
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu' is implemented")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {_DTYPES}")
+        if self.rope_scaling is not None:
+            rope_type = str(self.rope_scaling.get("rope_type"))
+            if rope_type not in ROPE_SCALING_KEYS or rope_type == "default":
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; supported: "
+                    f"{sorted(t for t in ROPE_SCALING_KEYS if t != 'default')} (or none)"
+                )
+            missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling of type {rope_type!r} is missing {missing}")
+        if not all(isinstance(t, int) for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be integers, got {self.eos_token_ids!r}")
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else str(self.rope_scaling["rope_type"])
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ValueError unless `tp_size` ranks can split the attention heads evenly."""
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+        heads = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+        }
+        bad = [f"{name}={n}" for name, n in heads.items() if n % tp_size != 0]
+        if bad:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} must divide num_attention_heads={self.num_attention_heads} "
+                f"and num_key_value_heads={self.num_key_value_heads}; it does not divide {' or '.join(bad)}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, extra_eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        """Build from a `transformers` PretrainedConfig (v4 `rope_scaling` or v5 `rope_parameters`).
+
+        `extra_eos_token_ids` come from generation_config.json (instruct models often list several).
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        archs = getattr(hf_config, "architectures", None) or []
+        architecture = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(str(model_type))
+        if architecture is None:
+            raise ValueError(f"cannot tell the architecture of {model_type!r}: config lacks `architectures`")
+        hidden_size = hf_config.hidden_size
+        num_heads = hf_config.num_attention_heads
+        max_pos = hf_config.max_position_embeddings
+        rope_theta, rope_scaling = _normalise_rope(hf_config, max_pos)
+        is_qwen2 = model_type == "qwen2" or architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        eos = _as_id_tuple(getattr(hf_config, "eos_token_id", None)) + tuple(extra_eos_token_ids)
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if is_qwen2 and not getattr(hf_config, "use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            architecture=architecture,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hidden_size // num_heads,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            dtype=_dtype_name(hf_config),
+            sliding_window=sliding_window,
+            hidden_act=getattr(hf_config, "hidden_act", "silu"),
+        )
+
+
+def _normalise_rope(hf_config: Any, max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers-5 `rope_parameters` or older fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, Mapping) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    if not isinstance(params, Mapping):
+        params = getattr(hf_config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if scaling["rope_type"] == "default":
+        return float(theta), None
+    if scaling["rope_type"] == "llama3":
+        scaling.setdefault("original_max_position_embeddings", max_pos)
+    return float(theta), scaling
+
+
+def _as_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if isinstance(ids, int):
+        return (ids,)
+    return tuple(int(i) for i in ids)
+
+
+def _dtype_name(hf_config: Any) -> str:
+    dtype = getattr(hf_config, "dtype", None)
+    if dtype is None:
+        dtype = vars(hf_config).get("torch_dtype")  # transformers < 5; read raw: no deprecation warning
+    if dtype is None:
+        return "float32"  # e.g. configs parsed from GGUF: weights are dequantised to float32
+    name = str(dtype).removeprefix("torch.")
+    return name if name in _DTYPES else "float32"

@@ -1,0 +1,27 @@
+"""Tensor-parallel building blocks of the models."""
+
+from model_exec.layers.activation import SiluAndMul
+from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_exec.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from model_exec.layers.norm import RMSNorm
+from model_exec.layers.rotary import RotaryEmbedding, compute_inv_freq
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "compute_inv_freq",
+]

@@ -1,0 +1,93 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Rank r owns vocabulary rows [r * shard, (r + 1) * shard), shard = ceil(vocab / world).
+The last rank's tail past `vocab_size` is zero padding, so every rank's shard has
+the same shape (needed by `gather`) and padded logits are cut off after gathering.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_exec.layers.linear import copy_shard
+from model_exec.parallel import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+        shared_weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // tp.world_size)
+        self.vocab_start = tp.rank * self.shard_size
+        # rows of the real vocabulary this rank holds (the rest of its shard is padding)
+        self.num_real_rows = max(0, min(self.shard_size, num_embeddings - self.vocab_start))
+        if shared_weight is None:
+            self.weight = nn.Parameter(
+                torch.empty(self.shard_size, embedding_dim, dtype=params_dtype), requires_grad=False
+            )
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        elif shared_weight.shape != (self.shard_size, embedding_dim):
+            raise ValueError(
+                f"shared weight has shape {tuple(shared_weight.shape)}, "
+                f"expected {(self.shard_size, embedding_dim)}"
+            )
+        else:
+            self.weight = shared_weight  # loaded through its owner
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"embedding checkpoint has {loaded_weight.shape[0]} rows, "
+                f"config says vocab_size={self.num_embeddings}"
+            )
+        n = self.num_real_rows
+        copy_shard(param.data[:n], loaded_weight.narrow(0, self.vocab_start, n))
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_real_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to vocabulary logits, gathered on rank 0.
+
+    With `tied_to`, the head shares the embedding's (identically sharded) weight and
+    has no parameter of its own to load.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+        tied_to: VocabParallelEmbedding | None = None,
+    ) -> None:
+        shared = None if tied_to is None else tied_to.weight
+        super().__init__(num_embeddings, embedding_dim, tp, params_dtype, shared)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is applied through compute_logits(hidden)")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab_size] on rank 0; None on other ranks."""
+        gathered = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
+        return None if gathered is None else gathered[..., : self.num_embeddings]

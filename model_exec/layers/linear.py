@@ -1,0 +1,220 @@
+"""Megatron-style tensor-parallel linear layers.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that
+receives the FULL checkpoint tensor and copies only this rank's slice into the
+parameter, so a rank never holds more than its shard plus one checkpoint tensor.
+Parameters are allocated with `torch.empty` at their per-rank shape, in `params_dtype`
+(default: torch's default dtype) on the caller's scoped device (see `models.build_model`).
+
+Column-parallel layers split output features across ranks and never gather: their
+output feeds an activation or attention that works per shard. Row-parallel layers
+split input features and all-reduce the partial sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_exec.parallel import TPGroup
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) that refuses to broadcast: a shape mismatch means checkpoint and config disagree."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint shard has shape {tuple(src.shape)}, parameter wants {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+) -> None:
+    """Loader for replicated parameters (norm weights): the whole tensor, on every rank."""
+    copy_shard(param.data, loaded_weight)
+
+
+def shard_of(full: torch.Tensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of a full checkpoint tensor split evenly along `dim` (a view, no copy)."""
+    if full.shape[dim] != shard_size * tp.world_size:
+        raise ValueError(
+            f"checkpoint tensor has {full.shape[dim]} entries along dim {dim}, "
+            f"expected {shard_size} x {tp.world_size} ranks"
+        )
+    return full.narrow(dim, tp.rank * shard_size, shard_size)
+
+
+def _set_loader(param: nn.Parameter | None, loader: object) -> None:
+    if param is not None:
+        param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+class LinearBase(nn.Module):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False) if bias else None
+        )
+        _set_loader(self.weight, self.weight_loader)
+        _set_loader(self.bias, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole matrix."""
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        copy_shard(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X W^T with W's rows (output features) split across ranks; output stays sharded."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(input_size, divide(output_size, tp.world_size), bias, tp, params_dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        size = param.shape[0]
+        copy_shard(param.data, shard_of(loaded_weight, 0, size, self.tp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices fused into one (gate/up); shard ids are their indices.
+
+    Each rank's parameter is [rank's slice of matrix 0; rank's slice of matrix 1; ...],
+    so the output splits into per-matrix halves locally.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = [divide(s, tp.world_size) for s in output_sizes]  # per rank
+        super().__init__(input_size, sum(output_sizes), bias, tp, params_dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection with attention heads split across ranks (shard ids "q", "k", "v").
+
+    Each rank's output is [its q heads | its k heads | its v heads].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp.world_size)
+        self.num_kv_heads = divide(total_num_kv_heads, tp.world_size)
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp, params_dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        offsets = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }
+        if shard_id not in offsets:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size = offsets[str(shard_id)]
+        copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X W^T with W's columns (input features) split; partial sums all-reduced.
+
+    The bias is added once, after the reduce, so it is not counted world_size times.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(divide(input_size, tp.world_size), output_size, bias, tp, params_dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if param.dim() == 1:  # bias: replicated
+            copy_shard(param.data, loaded_weight)
+            return
+        size = param.shape[1]
+        copy_shard(param.data, shard_of(loaded_weight, 1, size, self.tp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,84 @@
+"""Rotary position embedding, rotate-half (GPT-NeoX) layout as Hugging Face Llama uses.
+
+Supported rope types: default, linear (position interpolation), llama3 (Llama 3.1
+frequency-dependent scaling). cos/sin are cached in float32 for every position up to
+max_position_embeddings and cast to the activations' dtype on use, matching HF.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 for the given rope type."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    assert rope_scaling is not None
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        old_context_len = rope_scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are interpolated by `factor`, short ones kept, the band between blended smoothly
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+    raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, heads, head_dim] and k [T, kv_heads, head_dim] at positions [T].
+
+    One instance is shared by all layers of a model.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        rope_scaling: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+        positions = torch.arange(max_position_embeddings, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(positions, inv_freq)
+        self.cos_sin_cache: torch.Tensor
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin, each [T, head_dim // 2]."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        return cos, sin
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        cos = cos.unsqueeze(1).to(q.dtype)
+        sin = sin.unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,58 @@
+"""Model registry: HF `architectures` name -> our class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from model_exec.config import ModelConfig
+    from model_exec.parallel import TPGroup
+    from ops.attention.base import AttentionBackend
+
+# architecture -> (module, class)
+_MODELS: Mapping[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("model_exec.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("model_exec.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("model_exec.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; supported: {', '.join(_MODELS)}"
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(
+    config: ModelConfig,
+    tp: TPGroup,
+    attn_backend: type[AttentionBackend],
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Construct this rank's shard directly on `device` in `dtype` (default: config.dtype), unloaded.
+
+    Parameters are allocated empty at their shard shapes; call `load_weights` next. The
+    dtype travels explicitly through the config (torch's process-global default dtype is
+    never touched); the device is scoped with torch's thread-local device context.
+    """
+    if dtype is not None:
+        config = replace(config, dtype=str(dtype).removeprefix("torch."))
+    cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config, tp, attn_backend)
+    return model.eval()

@@ -1,0 +1,215 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2), tensor-parallel.
+
+Differences between the family members are config flags, not subclasses:
+qkv_bias (Qwen2), o_bias (Llama `attention_bias`), tied embeddings (SmolLM2),
+rope scaling (Llama 3.x). Every layer is built at its per-rank shard shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from model_exec.config import ModelConfig
+from model_exec.layers.activation import SiluAndMul
+from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_exec.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from model_exec.layers.norm import RMSNorm
+from model_exec.layers.rotary import RotaryEmbedding
+from model_exec.parallel import TPGroup
+from ops.attention.base import AttentionBackend, AttentionMetadata
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend], rotary: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            tp=tp,
+            params_dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_bias, tp, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.rotary_emb = rotary  # one instance shared by all layers (its cache is not in state_dict)
+        self.attn = attn_backend(self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim**-0.5)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, config.torch_dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, config.torch_dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend], rotary: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, tp, attn_backend, rotary)
+        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # `residual` is the un-normalised stream; each norm adds the previous block's output into it.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp, config.torch_dtype
+        )
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, attn_backend, self.rotary_emb)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} (key, value) cache pairs, got {len(kv_caches)}")
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # fused parameter -> the checkpoint tensors it is stacked from, in order
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # fused parameter -> the shard id its weight_loader expects for each entry above
+    _packed_shard_ids: ClassVar[dict[str, tuple[str | int, ...]]] = {
+        "qkv_proj": ("q", "k", "v"),
+        "gate_up_proj": (0, 1),
+    }
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        config.check_tp(tp.world_size)
+        self.config = config
+        self.tp = tp
+        self.model = LlamaModel(config, tp, attn_backend)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.torch_dtype, tied)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] packed tokens of all rows
+        positions: torch.Tensor,  # [T] int64 position of each token in its sequence
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key_cache, value_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> full-vocabulary logits [N, vocab] on rank 0, None on other ranks."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load from (HF name, full tensor) pairs, streamed; each parameter cuts its own shard.
+
+        Raises ValueError for a checkpoint tensor with no home and for parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        expected = {name: self._shards_expected(name) for name in params}
+        loaded: dict[str, set[str | int | None]] = {name: set() for name in params}
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if ckpt_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            param_name, shard_id = self._param_for(ckpt_name)
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} matches no parameter of {self.config.architecture}"
+                )
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, shard_id)
+            loaded[param_name].add(shard_id)
+        missing = sorted(n for n in params if len(loaded[n]) < expected[n])
+        if missing:
+            raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
+
+    def _param_for(self, ckpt_name: str) -> tuple[str, str | int | None]:
+        for packed, parts in self.packed_modules_mapping.items():
+            for i, part in enumerate(parts):
+                if f".{part}." in ckpt_name:
+                    return ckpt_name.replace(f".{part}.", f".{packed}."), self._packed_shard_ids[packed][i]
+        return ckpt_name, None
+
+    def _shards_expected(self, param_name: str) -> int:
+        for packed, parts in self.packed_modules_mapping.items():
+            if f".{packed}." in param_name:
+                return len(parts)
+        return 1

@@ -1,0 +1,1 @@
+"""Shared test helpers (tiny random-weight models, prefill inputs without the engine)."""
