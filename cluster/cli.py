@@ -1,0 +1,104 @@
+"""The `raytp` command line.
+
+    raytp generate [--model M] --prompt TEXT [--prompt TEXT ...] [sampling flags] [engine flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from cluster.engine_args import add_engine_args, engine_config_from_args
+from scheduler.sampling_params import SamplingParams
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        n=args.n,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.llm import LLM
+
+    params = _sampling_params(args)  # validate flags before loading anything
+    config = engine_config_from_args(args)
+    llm = LLM(**{k: v for k, v in vars(config).items()})
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outputs, strict=True):
+        if args.json:
+            record = {
+                "prompt": prompt,
+                "outputs": [
+                    {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                    for c in out.outputs
+                ],
+            }
+            print(json.dumps(record))
+        else:
+            for c in out.outputs:
+                print(f"--- prompt: {prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]")
+    llm.llm_engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytp", description="LLM inference on Ray with a paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions offline for a few prompts")
+    gen.add_argument("--model", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    _add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"raytp: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

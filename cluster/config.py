@@ -1,0 +1,90 @@
+"""EngineConfig: every knob of the engine, validated once, never mutated.
+
+Names and defaults follow vLLM's engine arguments where they overlap, so
+`LLM(...)` and the CLI flags read the same as vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from ops.attention.names import ATTENTION_BACKENDS
+from scheduler.config import PreemptionMode
+
+_GiB = 1 << 30
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+
+
+def default_kv_cache_bytes() -> int:
+    """A sane share of RAM for the KV cache on CPU: a quarter of physical memory, at most 8 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 * _GiB
+    return int(min(total // 4, 8 * _GiB))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF dir, .gguf file, or hub id; None = the embedded SmolLM2-135M-Instruct
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's half type (or bfloat16) on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0  # seeds the engine's RNG, which draws a seed for every request that has none
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "auto"
+    num_gpu_blocks_override: int | None = None  # force the device KV pool size (vLLM's name; any device)
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    kv_cache_memory_bytes: int | None = None  # CPU: KV pool size; None: default_kv_cache_bytes()
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Literal["ray", "inprocess"] | None = None  # None: inprocess at TP=1, else ray
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}."
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.distributed_executor_backend not in (None, "ray", "inprocess"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'ray' or 'inprocess'; got {self.distributed_executor_backend!r}."
+            )
+        if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "inprocess" if self.tensor_parallel_size == 1 else "ray"
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * _GiB)

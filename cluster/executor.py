@@ -1,0 +1,66 @@
+"""Executors: how the controller reaches its workers.
+
+`InProcessExecutor` holds one `Worker` in the controller's own process (TP=1, the
+default). The Ray executor (one worker actor per TP rank in a placement group) lives
+in `cluster/ray_executor.py` and implements the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from cluster.config import EngineConfig
+from cluster.worker import Worker
+from model_exec.config import ModelConfig
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU blocks) every rank can hold: the minimum over ranks."""
+
+    @abstractmethod
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; return rank 0's output."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def check_health(self) -> None:
+        """Raise if any rank is unusable."""
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.worker = Worker(config, model_config)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_blocks()
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.init_cache(num_device_blocks, num_cpu_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.worker.execute_model(so)
+        assert out is not None  # rank 0 always answers
+        return out
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+    if config.executor_backend == "inprocess":
+        return InProcessExecutor(config, model_config)
+    try:
+        from cluster.ray_executor import RayExecutor  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as e:  # pragma: no cover - until the Ray executor lands
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs the Ray executor, which is not available: {e}"
+        ) from e
+    return RayExecutor(config, model_config)  # type: ignore[no-any-return, unused-ignore]

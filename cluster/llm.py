@@ -1,0 +1,108 @@
+"""The offline API, shaped like vLLM's `LLM` so users can switch without relearning."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.outputs import RequestOutput
+from scheduler.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching and a paged KV cache.
+
+    `model=None` loads the embedded SmolLM2-135M-Instruct. Keyword arguments are
+    vLLM's engine arguments (see `EngineConfig`).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - {f.name for f in EngineConfig.__dataclass_fields__.values()}
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params must be one SamplingParams or one per prompt: got {len(params_list)} "
+                    f"for {len(prompt_list)} prompts."
+                )
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # a bad prompt refuses the whole call and leaves nothing behind
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        wanted = set(ids)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)  # type: ignore[arg-type]

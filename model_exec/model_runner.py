@@ -1,0 +1,240 @@
+"""ModelRunner: turns one SchedulerOutput into tensors, runs the model, samples on rank 0.
+
+Per-sequence state (tokens, block table, sampling params) lives here between steps,
+updated from the scheduler's deltas, so the controller never resends whole contexts.
+Every rank runs the same forward and the same `compute_logits` (the logits gather is
+a collective); only rank 0 samples and answers.
+
+Input preparation is vectorised over the batch: positions, slot mapping and block
+tables are computed with tensor ops from per-row (computed, scheduled) counts; the
+only per-row Python work is slicing each row's new token ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from model_exec.parallel import TPGroup
+from model_exec.sampler import Sampler, SamplingMetadata
+from ops.attention.base import AttentionMetadata
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class _SeqState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # appended from scheduler deltas (tokens rank 0 sampled earlier)
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int
+    sample_index: int
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    def token_at(self, pos: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < num_prompt else self.output_token_ids[pos - num_prompt]
+
+
+@dataclass
+class _Row:
+    seq_id: int
+    state: _SeqState
+    num_computed: int
+    num_scheduled: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tp: TPGroup,
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.model = model
+        self.tp = tp
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.seqs: dict[int, _SeqState] = {}
+
+    # ------------------------------------------------------------------ state
+    def _apply_deltas(self, so: SchedulerOutput) -> list[_Row]:
+        for seq_id in so.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        rows: list[_Row] = []
+        for new in so.new_seqs:
+            state = _SeqState(
+                prompt_token_ids=new.token_ids[: new.num_prompt_tokens],
+                output_token_ids=new.token_ids[new.num_prompt_tokens :],
+                block_ids=list(new.block_ids),
+                params=new.sampling_params,
+                seed=new.seed,
+                sample_index=new.sample_index,
+            )
+            self.seqs[new.seq_id] = state
+            rows.append(_Row(new.seq_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
+        for cached in so.cached_seqs:
+            state = self.seqs[cached.seq_id]
+            state.output_token_ids.extend(cached.new_token_ids)
+            del state.block_ids[cached.num_kept_blocks :]
+            state.block_ids.extend(cached.new_block_ids)
+            rows.append(_Row(cached.seq_id, state, cached.num_computed_tokens, cached.num_scheduled_tokens))
+        # Attention backends take decode rows (one new token) first.
+        rows.sort(key=lambda r: r.num_scheduled != 1)
+        return rows
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        q_lens_list = [r.num_scheduled for r in rows]
+        input_ids = torch.tensor(
+            list(
+                itertools.chain.from_iterable(
+                    r.state.token_slice(r.num_computed, r.num_computed + r.num_scheduled) for r in rows
+                )
+            ),
+            dtype=torch.long,
+        )
+        q_lens = torch.tensor(q_lens_list, dtype=torch.int32)
+        computed = torch.tensor([r.num_computed for r in rows], dtype=torch.int32)
+        seq_lens = computed + q_lens
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, dim=0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        row_of_token = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
+        positions = (
+            torch.arange(num_tokens, dtype=torch.int32)
+            - query_start_loc[:-1][row_of_token]
+            + computed[row_of_token]
+        ).long()
+        max_blocks = max(len(r.state.block_ids) for r in rows)
+        block_tables = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            block_tables[i, : len(r.state.block_ids)] = torch.tensor(r.state.block_ids, dtype=torch.int32)
+        block_of_token = block_tables[row_of_token, positions // self.block_size].long()
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=seq_lens.to(dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            max_query_len=max(q_lens_list),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=sum(1 for n in q_lens_list if n == 1),
+        )
+        return input_ids.to(dev), positions.to(dev), meta
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput | None:
+        rows = self._apply_deltas(so)
+        if not rows:
+            return ModelRunnerOutput() if self.tp.rank == 0 else None
+        input_ids, positions, meta = self._prepare(rows)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+
+        # Which hidden rows need logits: the last token of every row that samples, then the prompt
+        # positions whose logprobs were asked for. Same selection on every rank (gather is collective).
+        starts = meta.query_start_loc.tolist()
+        sample_rows = [i for i, r in enumerate(rows) if r.seq_id in so.num_samples]
+        select = [starts[i + 1] - 1 for i in sample_rows]
+        plp_spans: list[tuple[int, int, int]] = []  # (row, first position, count)
+        plp_wanted = set(so.prompt_logprobs_seq_ids)
+        for i, r in enumerate(rows):
+            if r.seq_id not in plp_wanted:
+                continue
+            last = min(r.num_computed + r.num_scheduled, len(r.state.prompt_token_ids) - 1)
+            count = max(0, last - r.num_computed)
+            plp_spans.append((i, len(select), count))
+            select.extend(range(starts[i], starts[i] + count))
+        if not select:
+            return ModelRunnerOutput() if self.tp.rank == 0 else None
+        logits = self.model.compute_logits(hidden[torch.tensor(select, device=hidden.device)])
+        if self.tp.rank != 0:
+            return None
+        logits = logits.float()
+        out = ModelRunnerOutput()
+        if sample_rows:
+            samples = self._sample([rows[i] for i in sample_rows], logits[: len(sample_rows)], so)
+            for i, sample in zip(sample_rows, samples, strict=True):
+                out.samples[rows[i].seq_id] = sample
+        for i, offset, count in plp_spans:
+            r = rows[i]
+            targets = [r.state.token_at(p + 1) for p in range(r.num_computed, r.num_computed + count)]
+            out.prompt_logprobs[r.seq_id] = _top_logprobs(
+                logits[offset : offset + count], targets, r.state.params.prompt_logprobs or 0
+            )
+        return out
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor, so: SchedulerOutput) -> list[SeqSample]:
+        meta = SamplingMetadata(
+            params=[r.state.params for r in rows],
+            seeds=[r.state.seed for r in rows],
+            sample_indices=[r.state.sample_index for r in rows],
+            output_lens=[len(r.state.output_token_ids) for r in rows],
+            num_samples=[so.num_samples[r.seq_id] for r in rows],
+            prompt_token_ids=[r.state.prompt_token_ids for r in rows],
+            output_token_ids=[r.state.output_token_ids for r in rows],
+            eos_token_ids=self.eos_token_ids,
+        )
+        return self.sampler(logits, meta)
+
+
+def _top_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Per row: the top-k tokens and the target token, each with (logprob, rank)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    target_t = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    target_lp = logprobs.gather(1, target_t[:, None])
+    ranks = (logprobs > target_lp).sum(dim=1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    result: list[TokenLogprobs] = []
+    for j, target in enumerate(targets):
+        entry: TokenLogprobs = {
+            int(t): (float(lp), rank + 1)
+            for rank, (t, lp) in enumerate(zip(top_ids[j].tolist(), top_lp[j].tolist(), strict=True))
+        }
+        entry[target] = (float(target_lp[j, 0]), int(ranks[j]))
+        result.append(entry)
+    return result
+
+
+def profile_forward(
+    runner: ModelRunner,
+    num_tokens: int,
+    num_logit_rows: int,
+    make_cache: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]],
+) -> None:
+    """One prefill of `num_tokens` dummy tokens plus logits for `num_logit_rows` rows: the step's peak memory."""
+    bs = runner.block_size
+    num_blocks = -(-num_tokens // bs)
+    caches = make_cache(num_blocks)
+    with torch.inference_mode():
+        dev = runner.device
+        positions = torch.arange(num_tokens, device=dev)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :],
+            slot_mapping=positions.clone(),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            num_decodes=0,
+        )
+        hidden = runner.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, caches, meta)
+        runner.model.compute_logits(hidden[-min(num_logit_rows, num_tokens) :])
+    del caches
