@@ -84,9 +84,9 @@ class LLM:
                 engine.add_request(rid, prompt, p)
                 ids.append(rid)
         except Exception:
-            engine.abort_request(ids)  # a bad prompt refuses the whole call and leaves nothing behind
-            while engine.has_unfinished_requests():
-                engine.step()
+            # A bad prompt refuses the whole call. Aborting frees this call's blocks at once; requests
+            # that others added to the engine are left running.
+            engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
