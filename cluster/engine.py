@@ -123,6 +123,10 @@ class LLMEngine:
                 f"prompt is {len(token_ids)} tokens long, longer than max_model_len ({self.max_model_len}) "
                 f"allows (the prompt plus at least one generated token must fit)."
             )
+        bad = [t for t in (*params.stop_token_ids, *(params.logit_bias or {})) if not 0 <= t < vocab]
+        if bad:
+            field = "stop_token_ids" if bad[0] in params.stop_token_ids else "logit_bias"
+            raise ValueError(f"{field} contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return self.scheduler.add_request(request_id, text, token_ids, params, seed, arrival_time)
 

@@ -76,7 +76,7 @@ class SeqSample:
     """What rank 0 produced for one sequence in one step."""
 
     token_ids: list[int]  # sampled tokens, len == num_samples asked for this seq
-    cumulative_logprob_deltas: list[float]  # logprob of each sampled token under the processed distribution
+    cumulative_logprob_deltas: list[float]  # raw-model logprob of each sampled token (ranks best_of samples)
     logprobs: list[TokenLogprobs] | None = None  # per sampled token, when SamplingParams.logprobs is set
 
 
