@@ -61,8 +61,16 @@ def run_hf(model: torch.nn.Module, work: list[tuple[list[int], int]], batch_size
                 mask[r, width - len(p) :] = 1
             new = max(n for _, n in batch)
             model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                eos_token_id=None, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=pad_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
             )
     return time.perf_counter() - t0
 

@@ -1,6 +1,6 @@
 """The `raytp` command line.
 
-    raytp generate [--model M] --prompt TEXT [--prompt TEXT ...] [sampling flags] [engine flags]
+raytp generate [--model M] --prompt TEXT [--prompt TEXT ...] [sampling flags] [engine flags]
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record))
         else:
             for c in out.outputs:
-                print(f"--- prompt: {prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]")
+                print(
+                    f"--- prompt: {prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]"
+                )
     llm.llm_engine.shutdown()
     return 0
 
@@ -82,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions offline for a few prompts")
     gen.add_argument("--model", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
+    gen.add_argument(
+        "--chat", action="store_true", help="treat each prompt as a user message (chat template)"
+    )
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
     _add_sampling_args(gen)
     add_engine_args(gen)

@@ -54,7 +54,9 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, executor_factory: Callable[[EngineConfig, ModelConfig], Executor] = make_executor
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[EngineConfig, ModelConfig], Executor] = make_executor,
     ) -> None:
         source = resolve_model(config.model, config.revision)
         self.model_config = load_model_config(source, config.trust_remote_code)
@@ -88,7 +90,10 @@ class LLMEngine:
         self.dead: BaseException | None = None
         logger.info(
             "engine ready: %s, %d device KV blocks of %d tokens, %d CPU swap blocks",
-            self.model_name, num_device_blocks, self.config.block_size, num_cpu_blocks,
+            self.model_name,
+            num_device_blocks,
+            self.config.block_size,
+            num_cpu_blocks,
         )
 
     @property
@@ -144,7 +149,9 @@ class LLMEngine:
             raise ValueError("prompt dicts need a 'prompt' string or a 'prompt_token_ids' list.")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -22,7 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out KV blocks")
+    g.add_argument(
+        "--swap-space", type=float, default=4.0, help="GiB of CPU memory for swapped-out KV blocks"
+    )
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV cache budget in bytes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -30,7 +30,7 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
-    def check_health(self) -> None:
+    def check_health(self) -> None:  # noqa: B027 - optional hook: in-process workers have nothing to check
         """Raise if any rank is unusable."""
 
 

@@ -44,7 +44,9 @@ class IncrementalDetokenizer:
         """Append ids, return the newly readable text (possibly "" while a multi-byte char is incomplete)."""
         state.ids.extend(new_ids)
         decode = self.tokenizer.decode
-        prefix_text = decode(state.ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
+        prefix_text = decode(
+            state.ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens
+        )
         full_text = decode(state.ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             delta = full_text[len(prefix_text) :]
@@ -78,7 +80,11 @@ class OutputProcessor:
                 self.detok.feed(state, new_ids, params.skip_special_tokens)
                 # A sequence ended by a stop token still gets its text checked: the string may have
                 # completed on an earlier token of this step's text.
-                if params.stop and seq.stop_reason is None and seq.status is not SequenceStatus.FINISHED_ABORTED:
+                if (
+                    params.stop
+                    and seq.stop_reason is None
+                    and seq.status is not SequenceStatus.FINISHED_ABORTED
+                ):
                     self._check_stop_strings(seq, state, before, group, scheduler)
 
     def _check_stop_strings(
@@ -130,7 +136,9 @@ class OutputProcessor:
                 text=self.text_of(seq),
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=[self._convert(e) for e in seq.output_logprobs] if params.logprobs is not None else None,
+                logprobs=[self._convert(e) for e in seq.output_logprobs]
+                if params.logprobs is not None
+                else None,
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
             )

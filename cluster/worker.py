@@ -60,7 +60,9 @@ class CacheShape:
 
     @property
     def bytes_per_block(self) -> int:
-        return CacheEngine.bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        return CacheEngine.bytes_per_block(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+        )
 
 
 class Worker:
@@ -73,7 +75,9 @@ class Worker:
         dist_init_method: str | None = None,
     ) -> None:
         self.config = config
-        self.model_config = model_config  # resolved once by the controller: parsing a GGUF header takes seconds
+        self.model_config = (
+            model_config  # resolved once by the controller: parsing a GGUF header takes seconds
+        )
         self.rank = rank
         self.world_size = world_size
         self.dist_init_method = dist_init_method
@@ -98,7 +102,9 @@ class Worker:
         model_config = self.model_config
         model_config.check_tp(self.world_size)
         dtype = resolve_dtype(self.config, model_config, self.device)
-        attn_backend = get_attn_backend(self.config.attention_backend, self.device, dtype, self.config.block_size)
+        attn_backend = get_attn_backend(
+            self.config.attention_backend, self.device, dtype, self.config.block_size
+        )
         model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
         model.load_weights(iter_weights(source))
         model.eval()
@@ -133,7 +139,9 @@ class Worker:
         assert self.runner is not None and self.cache_shape is not None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        profile_forward(self.runner, self._max_batched_tokens(), self.config.max_num_seqs, self._scratch_cache)
+        profile_forward(
+            self.runner, self._max_batched_tokens(), self.config.max_num_seqs, self._scratch_cache
+        )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -151,7 +159,10 @@ class Worker:
         s = self.cache_shape
         shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
         return [
-            (torch.zeros(shape, dtype=s.dtype, device=self.device), torch.zeros(shape, dtype=s.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=s.dtype, device=self.device),
+                torch.zeros(shape, dtype=s.dtype, device=self.device),
+            )
             for _ in range(s.num_layers)
         ]
 

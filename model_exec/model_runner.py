@@ -141,7 +141,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput | None:
+    def execute(
+        self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> ModelRunnerOutput | None:
         rows = self._apply_deltas(so)
         if not rows:
             return ModelRunnerOutput() if self.tp.rank == 0 else None

@@ -53,10 +53,16 @@ class SchedulerOutput:
     cached_seqs: list[CachedSeqData] = field(default_factory=list)  # seqs the workers already know (deltas)
     finished_seq_ids: list[int] = field(default_factory=list)  # seqs to forget (finished, aborted, preempted)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), first
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), first
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write, before forward
+    blocks_to_swap_out: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (device block, cpu block), first
+    blocks_to_copy: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst) copy-on-write, before forward
     # seqs whose scheduled tokens reach the end of their known tokens: rank 0 samples `num_samples` tokens for each
-    num_samples: dict[int, int] = field(default_factory=dict)  # seq_id -> samples to draw (best_of at the fork)
+    num_samples: dict[int, int] = field(
+        default_factory=dict
+    )  # seq_id -> samples to draw (best_of at the fork)
     # seqs whose prompt logprobs are wanted for the positions run this step
     prompt_logprobs_seq_ids: list[int] = field(default_factory=list)
 
@@ -84,7 +90,9 @@ class SeqSample:
 class ModelRunnerOutput:
     """Rank 0's answer to a SchedulerOutput."""
 
-    samples: dict[int, SeqSample] = field(default_factory=dict)  # seq_id -> sample, for every seq in num_samples
+    samples: dict[int, SeqSample] = field(
+        default_factory=dict
+    )  # seq_id -> sample, for every seq in num_samples
     # seq_id -> logprobs for the prompt positions computed this step, in order. Position p's entry scores
     # prompt token p given tokens < p; the very first prompt token has no entry (vLLM returns None for it).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -17,7 +17,9 @@ from typing import Any
 class SamplingParams:
     n: int = 1  # completions returned
     best_of: int | None = None  # completions generated (the n best by cumulative logprob are returned)
-    presence_penalty: float = 0.0  # OpenAI semantics: subtract once if the token already appeared in the output
+    presence_penalty: float = (
+        0.0  # OpenAI semantics: subtract once if the token already appeared in the output
+    )
     frequency_penalty: float = 0.0  # subtract per occurrence in the output
     repetition_penalty: float = 1.0  # HF/CTRL semantics over prompt + output tokens; 1.0 is off
     temperature: float = 1.0  # 0 means greedy
@@ -55,7 +57,9 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
-            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

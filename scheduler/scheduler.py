@@ -209,8 +209,11 @@ class Scheduler:
             longest = max(s.num_tokens for s in seqs)
             if longest > self.config.max_model_len:
                 self.waiting.pop(0)
-                self._ignore(group, f"the prompt ({longest} tokens) is longer than max_model_len "
-                             f"({self.config.max_model_len})")
+                self._ignore(
+                    group,
+                    f"the prompt ({longest} tokens) is longer than max_model_len "
+                    f"({self.config.max_model_len})",
+                )
                 continue
             if budget.seqs < len(seqs):
                 return
@@ -219,8 +222,11 @@ class Scheduler:
             statuses = [bm.can_allocate(s.token_ids) for s in seqs]
             if AllocStatus.NEVER in statuses:
                 self.waiting.pop(0)
-                self._ignore(group, f"the prompt ({longest} tokens) needs more KV blocks than the cache can ever give one request "
-                             f"({bm.num_device_blocks} blocks in all, less the free-block watermark)")
+                self._ignore(
+                    group,
+                    f"the prompt ({longest} tokens) needs more KV blocks than the cache can ever give one request "
+                    f"({bm.num_device_blocks} blocks in all, less the free-block watermark)",
+                )
                 continue
             if AllocStatus.LATER in statuses or not self._allocate_all(seqs):
                 return
@@ -272,7 +278,9 @@ class Scheduler:
     ) -> None:
         for seq, n in plan:
             out.blocks_to_copy.extend(
-                self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens)
+                self.block_manager.append_slots(
+                    seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens
+                )
             )
             self._scheduled.append(_Scheduled(group, seq, n))
             budget.tokens -= n

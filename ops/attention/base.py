@@ -26,7 +26,8 @@ class AttentionMetadata:
     Sequences are the rows of the batch, tokens are packed in row order.
     """
 
-    query_start_loc: torch.Tensor  # [B+1] int32: row i's new tokens are q[query_start_loc[i]:query_start_loc[i+1]]
+    # [B+1] int32: row i's new tokens are q[query_start_loc[i] : query_start_loc[i+1]]
+    query_start_loc: torch.Tensor
     seq_lens: torch.Tensor  # [B] int32: context length after this step (cached tokens + new tokens) per row
     block_tables: torch.Tensor  # [B, max_blocks] int32: physical block ids per row; unused tail entries are 0
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) for each new token

@@ -70,8 +70,11 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     s = stopped.outputs[0]
     assert s.token_ids == ids[: k + 1] and s.finish_reason == "stop" and s.stop_reason == ids[k]
     # min_tokens masks stop tokens: the first greedy token can no longer end the request at step 1
-    (m,) = llm.generate(FRANCE, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ids[0]], min_tokens=5),
-                        use_tqdm=False)
+    (m,) = llm.generate(
+        FRANCE,
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ids[0]], min_tokens=5),
+        use_tqdm=False,
+    )
     assert len(m.outputs[0].token_ids) >= 5 and m.outputs[0].token_ids[0] != ids[0]
 
 
@@ -80,19 +83,33 @@ def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
     others = [
         ("Tell me a story about a cat", SamplingParams(temperature=1.0, max_tokens=25)),
         ("1, 2, 3,", greedy(10)),
-        ("Write a poem about the sea", SamplingParams(temperature=0.7, seed=7, max_tokens=30, presence_penalty=0.5)),
+        (
+            "Write a poem about the sea",
+            SamplingParams(temperature=0.7, seed=7, max_tokens=30, presence_penalty=0.5),
+        ),
     ]
     alone = llm.generate("Once upon a time", target, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate("Once upon a time", target, use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate(
-        [p for p, _ in others] + ["Once upon a time"], [sp for _, sp in others] + [target], use_tqdm=False
-    )[-1].outputs[0].token_ids
-    reordered = llm.generate(
-        ["Once upon a time"] + [p for p, _ in reversed(others)], [target] + [sp for _, sp in reversed(others)],
-        use_tqdm=False,
-    )[0].outputs[0].token_ids
+    mixed = (
+        llm.generate(
+            [p for p, _ in others] + ["Once upon a time"], [sp for _, sp in others] + [target], use_tqdm=False
+        )[-1]
+        .outputs[0]
+        .token_ids
+    )
+    reordered = (
+        llm.generate(
+            ["Once upon a time"] + [p for p, _ in reversed(others)],
+            [target] + [sp for _, sp in reversed(others)],
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert alone == again == mixed == reordered
-    different_seed = llm.generate("Once upon a time", target.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    different_seed = (
+        llm.generate("Once upon a time", target.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    )
     assert different_seed != alone
 
 
@@ -119,11 +136,15 @@ def test_logprobs_match_hf_log_softmax(llm: LLM) -> None:
         assert entry is not None and ids[j] in entry
         assert abs(entry[ids[j]].logprob - float(ref[j - 1, ids[j]])) < 1e-4
         assert entry[ids[j]].rank == int((ref[j - 1] > ref[j - 1, ids[j]]).sum()) + 1
-    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True))
+    )
 
 
 def test_n_and_best_of(llm: LLM) -> None:
-    (two,) = llm.generate("Write a haiku:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16), use_tqdm=False)
+    (two,) = llm.generate(
+        "Write a haiku:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16), use_tqdm=False
+    )
     assert len(two.outputs) == 2 and two.outputs[0].token_ids != two.outputs[1].token_ids
     params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=3, max_tokens=16, logprobs=0)
     (best,) = llm.generate("Write a haiku:", params, use_tqdm=False)
@@ -150,7 +171,9 @@ def test_bad_sampling_params_name_the_field(field: str, kwargs: dict) -> None:
 
 def test_bad_prompts_raise_and_the_engine_keeps_serving(llm: LLM) -> None:
     engine = llm.llm_engine
-    expected = [o.outputs[0].token_ids for o in llm.generate([FRANCE, "def add(a, b):"], greedy(16), use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate([FRANCE, "def add(a, b):"], greedy(16), use_tqdm=False)
+    ]
     engine.add_request("ok-1", FRANCE, greedy(16))
     engine.add_request("ok-2", "def add(a, b):", greedy(16))
     engine.step()
@@ -182,7 +205,8 @@ def test_prompt_forms_and_order(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     ids = tok.encode("1, 2, 3,")
     outs = llm.generate(
-        [FRANCE, {"prompt_token_ids": ids}, {"prompt": "def add(a, b):"}], [greedy(4), greedy(5), greedy(6)],
+        [FRANCE, {"prompt_token_ids": ids}, {"prompt": "def add(a, b):"}],
+        [greedy(4), greedy(5), greedy(6)],
         use_tqdm=False,
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 5, 6]
@@ -195,7 +219,9 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     (chat,) = llm.chat(messages, greedy(12), use_tqdm=False)
     templated = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    (plain,) = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode(templated)}, greedy(12), use_tqdm=False)
+    (plain,) = llm.generate(
+        {"prompt_token_ids": llm.get_tokenizer().encode(templated)}, greedy(12), use_tqdm=False
+    )
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     assert chat.outputs[0].text.strip()
 

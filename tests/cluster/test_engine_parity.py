@@ -18,9 +18,13 @@ from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2, make_tin
 MAX_NEW = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model_dir(kind: str, root: str) -> str:
-    makers = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "untied_scaled": make_tiny_untied_rope_scaled}
+    makers = {
+        "llama": make_tiny_llama,
+        "qwen2": make_tiny_qwen2,
+        "untied_scaled": make_tiny_untied_rope_scaled,
+    }
     return makers[kind](Path(root) / kind)
 
 
@@ -53,7 +57,8 @@ def check_variant(model: str | None, prompts: list[list[int]], variant: str) -> 
     expected = hf_greedy(model, prompts, MAX_NEW)
     got, llm = run_engine(model, prompts, **VARIANTS[variant])
     for i, (e, g) in enumerate(zip(expected, got, strict=True)):
-        assert g == e, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(e, g)) if a != b)}"
+        first_diff = next((j for j, (a, b) in enumerate(zip(e, g, strict=False)) if a != b), None)
+        assert g == e, f"prompt {i}: first difference at token {first_diff}"
     sched = llm.llm_engine.scheduler
     if variant == "recompute":
         assert sched.num_preemptions_recompute > 0, "pool too large to force recompute preemption"
@@ -117,6 +122,9 @@ def test_smollm2_prefix_cache_hits_match_hf() -> None:
     expected = hf_greedy(None, prompts, MAX_NEW)
     llm = LLM(None, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    got = [
+        llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+        for p in prompts
+    ]
     assert got == expected
     assert llm.llm_engine.block_manager.prefix_cache_hits > 0

@@ -1,0 +1,96 @@
+"""Paged attention through flash-attn's block-table kernels (CUDA only; `pip install flash-attn>=2.6`).
+
+flash-attn reads the paged cache `[num_blocks, block_size, kv_heads, head_dim]` in place through
+`block_table`, so nothing is gathered:
+- a pure-decode step calls `flash_attn_with_kvcache` (split-KV decode kernel);
+- any step with a prefill chunk calls `flash_attn_varlen_func` over the whole packed batch, with
+  `cu_seqlens_k` the running sum of `seq_lens` and bottom-right causal alignment, which is exactly
+  "query i of a row sits at seq_len - query_len + i".
+
+Constraints (checked, with a clear error): fp16/bf16 only, and upstream flash-attn 2.x accepts a
+paged KV cache only when block_size is a multiple of 256 ("Paged KV cache block size must be
+divisible by 256"). With the default block_size 16, use `xformers` or `torch` (`auto` does).
+flash-attn is imported in `__init__`, never at module import, so CPU machines can import this file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ops.attention import FLASH_ATTN_BLOCK_MULTIPLE
+from ops.attention.base import AttentionBackend, AttentionMetadata
+from ops.cache_ops import write_to_paged_cache
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_flash_attn_block_size(block_size: int) -> None:
+    """Raise ValueError unless flash-attn can read a paged cache with this block size."""
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
+        raise ValueError(
+            f"attention_backend='flash_attn' needs block_size to be a multiple of "
+            f"{FLASH_ATTN_BLOCK_MULTIPLE} (flash-attn's paged-KV kernels); got block_size={block_size}. "
+            f"Use block_size={FLASH_ATTN_BLOCK_MULTIPLE} or attention_backend='xformers'/'torch'."
+        )
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        except ImportError as exc:
+            raise ValueError(
+                "attention_backend='flash_attn' needs the flash-attn package "
+                f"(pip install flash-attn>=2.6): {exc}"
+            ) from exc
+        if head_dim > 256 or head_dim % 8 != 0:
+            raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {head_dim}.")
+        self._varlen: Any = flash_attn_varlen_func
+        self._with_kvcache: Any = flash_attn_with_kvcache
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        check_flash_attn_block_size(key_cache.shape[1])
+        if query.dtype not in _DTYPES or key_cache.dtype not in _DTYPES:
+            raise ValueError(
+                f"attention_backend='flash_attn' supports float16/bfloat16; got query {query.dtype}, "
+                f"cache {key_cache.dtype}."
+            )
+        write_to_paged_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:  # pure decode: the cache already holds the new token
+            out = self._with_kvcache(
+                query.unsqueeze(1),  # [B, 1, Hq, D]
+                key_cache,
+                value_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=self.scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32), (1, 0))
+        return self._varlen(
+            query,
+            key_cache,
+            value_cache,
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )
