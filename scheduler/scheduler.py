@@ -162,7 +162,8 @@ class Scheduler:
         """Decodes first, then prompt chunks; preempts the newest requests when blocks run out."""
         preempted = False
         in_prefill = [g for g in self.running if any(s.num_uncomputed_tokens > 1 for s in g.live_seqs())]
-        decoding = [g for g in self.running if g not in in_prefill]
+        prefill_ids = {id(g) for g in in_prefill}
+        decoding = [g for g in self.running if id(g) not in prefill_ids]
         scheduled: set[int] = set()
         for group in decoding + in_prefill:
             if group not in self.running:  # preempted as a victim earlier in this loop

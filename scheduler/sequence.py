@@ -50,7 +50,7 @@ _FINISH_REASON = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queues test membership, and two requests are never "equal"
 class Sequence:
     """One generated continuation of a request's prompt."""
 
@@ -94,7 +94,7 @@ class Sequence:
         self.block_table_sent = []
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceGroup:
     """One request: a prompt, its sampling params, and its live sequences."""
 
