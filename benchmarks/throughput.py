@@ -121,9 +121,9 @@ def main() -> None:
     if args.skip_hf:
         return
 
-    from tests.cluster.reference import hf_model
+    from model_exec.weights import load_hf_reference_model, resolve_model
 
-    model = hf_model(args.model)
+    model = load_hf_reference_model(resolve_model(args.model))
     hf_s = [run_hf(model, work, args.hf_batch_size, pad_id=0) for _ in range(args.repeats)]
     hf_med = report("hf", hf_s, work)
     print(f"raytp / hf throughput: {hf_med / raytp_med:.2f}x")

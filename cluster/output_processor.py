@@ -32,6 +32,24 @@ class _DetokState:
     num_output_seen: int = 0
 
 
+def find_stop_string(text: str, stops: tuple[str, ...], num_searched: int) -> tuple[int, str] | None:
+    """The earliest stop string in `text` as (index, stop), or None.
+
+    `text[:num_searched]` was searched before (and held no stop string), so only matches that
+    end after it are possible: the search starts `len(longest stop) - 1` characters before it.
+    Shared by the offline OutputProcessor and the Serve ingress.
+    """
+    if not stops:
+        return None
+    search_from = max(0, num_searched - max(len(s) for s in stops) + 1)
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, search_from)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -40,14 +58,14 @@ class IncrementalDetokenizer:
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
         return _DetokState(ids=list(context), prefix_offset=0, read_offset=len(context))
 
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
     def feed(self, state: _DetokState, new_ids: list[int], skip_special_tokens: bool) -> str:
         """Append ids, return the newly readable text (possibly "" while a multi-byte char is incomplete)."""
         state.ids.extend(new_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(
-            state.ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens
-        )
-        full_text = decode(state.ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
+        prefix_text = self.decode(state.ids[state.prefix_offset : state.read_offset], skip_special_tokens)
+        full_text = self.decode(state.ids[state.prefix_offset :], skip_special_tokens)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             delta = full_text[len(prefix_text) :]
             state.prefix_offset = state.read_offset
@@ -93,13 +111,7 @@ class OutputProcessor:
         params = group.sampling_params
         if len(seq.output_token_ids) < params.min_tokens:
             return
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, before - longest + 1)
-        best: tuple[int, str] | None = None
-        for stop in params.stop:
-            idx = state.text.find(stop, search_from)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
+        best = find_stop_string(state.text, params.stop, before)
         if best is None:
             return
         idx, stop = best
@@ -168,8 +180,8 @@ class OutputProcessor:
         )
 
     def _convert(self, entry: TokenLogprobs) -> PositionLogprobs:
-        decode = self.detok.tokenizer.decode if self.detok is not None else None
+        detok = self.detok
         return {
-            tok: Logprob(logprob=lp, rank=rank, decoded_token=decode([tok]) if decode is not None else None)
+            tok: Logprob(logprob=lp, rank=rank, decoded_token=detok.decode([tok], False) if detok else None)
             for tok, (lp, rank) in entry.items()
         }

@@ -96,8 +96,13 @@ class Worker:
             self.tp = TPGroup.single()
         else:
             assert self.dist_init_method is not None
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.tp = init_tp_group(self.rank, self.world_size, self.dist_init_method, backend, timeout_s=120)
+            self.tp = init_tp_group(
+                self.rank,
+                self.world_size,
+                self.dist_init_method,
+                "nccl" if self.device.type == "cuda" else "gloo",
+                timeout_s=120,
+            )
         source = resolve_model(self.config.model, self.config.revision)
         model_config = self.model_config
         model_config.check_tp(self.world_size)
@@ -107,7 +112,6 @@ class Worker:
         )
         model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
         model.load_weights(iter_weights(source))
-        model.eval()
         self.runner = ModelRunner(
             model, self.tp, self.config.block_size, self.device, model_config.eos_token_ids
         )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.sampler import Sampler, SamplingMetadata
 from ops.attention.base import AttentionMetadata
@@ -58,7 +59,7 @@ class _Row:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         tp: TPGroup,
         block_size: int,
         device: torch.device,
@@ -167,7 +168,7 @@ class ModelRunner:
         if not select:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
         logits = self.model.compute_logits(hidden[torch.tensor(select, device=hidden.device)])
-        if self.tp.rank != 0:
+        if logits is None:  # ranks other than 0: the gather delivered the logits to rank 0 only
             return None
         logits = logits.float()
         out = ModelRunnerOutput()

@@ -265,3 +265,15 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         elif arch == "llama" and ".self_attn.k_proj." in name:
             weight = _unpermute_qk(weight, n_kv_head)
         yield name, weight
+
+
+def load_hf_reference_model(src: ModelSource, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The Hugging Face transformers model on the same weights: the correctness and speed baseline.
+
+    Builds the whole HF model in memory (unlike our loader); meant for tests and benchmarks only.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **kwargs)
+    return model.eval()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -14,7 +14,23 @@ if TYPE_CHECKING:
 
     from model_exec.config import ModelConfig
     from model_exec.parallel import TPGroup
-    from ops.attention.base import AttentionBackend
+    from ops.attention.base import AttentionBackend, AttentionMetadata
+
+
+class CausalLM(Protocol):
+    """What the model runner needs of a model (every class in the registry provides it)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 # architecture -> (module, class)
 _MODELS: Mapping[str, tuple[str, str]] = {
@@ -43,7 +59,7 @@ def build_model(
     attn_backend: type[AttentionBackend],
     device: torch.device | str,
     dtype: torch.dtype | None = None,
-) -> nn.Module:
+) -> CausalLM:
     """Construct this rank's shard directly on `device` in `dtype` (default: config.dtype), unloaded.
 
     Parameters are allocated empty at their shard shapes; call `load_weights` next. The
@@ -55,4 +71,5 @@ def build_model(
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config, tp, attn_backend)
-    return model.eval()
+    model.eval()
+    return model  # type: ignore[return-value]  # nn.Module subclasses satisfy CausalLM

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from model_exec.weights import resolve_model
+from model_exec.weights import load_hf_reference_model, resolve_model
 
 # Prompts of different lengths; shared by the parity tests.
 PROMPTS = [
@@ -25,22 +24,24 @@ PROMPTS = [
 
 @functools.lru_cache(maxsize=4)
 def hf_model(model: str | None) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    src = resolve_model(model)
-    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    m = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kwargs)
-    m.eval()
-    return m
+    return load_hf_reference_model(resolve_model(model))
 
 
 def hf_greedy(model: str | None, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuation of each prompt, ignoring EOS (the engine runs with ignore_eos=True)."""
+    key = tuple(tuple(p) for p in prompt_ids)
+    return [list(o) for o in _hf_greedy_cached(model, key, max_new_tokens)]
+
+
+@functools.lru_cache(maxsize=32)
+def _hf_greedy_cached(
+    model: str | None, prompt_ids: tuple[tuple[int, ...], ...], max_new_tokens: int
+) -> tuple[tuple[int, ...], ...]:
     m = hf_model(model)
     outs = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            inp = torch.tensor([ids])
+            inp = torch.tensor([list(ids)])
             gen = m.generate(
                 inp,
                 attention_mask=torch.ones_like(inp),
@@ -53,9 +54,6 @@ def hf_greedy(model: str | None, prompt_ids: list[list[int]], max_new_tokens: in
                 top_p=None,
                 top_k=None,
             )
-            outs.append(gen[0, len(ids) :].tolist())
-    return outs
+            outs.append(tuple(gen[0, len(ids) :].tolist()))
+    return tuple(outs)
 
-
-def cpu_threads() -> None:
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
