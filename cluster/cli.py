@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster.engine_args import add_engine_args, engine_config_from_args
+from cluster.serving.launcher import add_serve_parser
 from scheduler.sampling_params import SamplingParams
 
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    add_serve_parser(sub)
     return parser
 
 

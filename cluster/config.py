@@ -15,6 +15,8 @@ from scheduler.config import PreemptionMode
 
 _GiB = 1 << 30
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def default_kv_cache_bytes() -> int:
@@ -52,6 +54,7 @@ class EngineConfig:
     distributed_executor_backend: Literal["ray", "inprocess"] | None = (
         None  # None: inprocess at TP=1, else ray
     )
+    placement_strategy: PlacementStrategy = "PACK"  # Ray placement group strategy for the TP workers
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -82,6 +85,11 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "ray", "inprocess"):
             raise ValueError(
                 f"distributed_executor_backend must be 'ray' or 'inprocess'; got {self.distributed_executor_backend!r}."
+            )
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; "
+                f"got {self.placement_strategy!r}."
             )
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")

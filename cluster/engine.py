@@ -22,7 +22,7 @@ from kv import BlockManager
 from model_exec.config import ModelConfig
 from model_exec.weights import load_model_config, load_tokenizer, resolve_model
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import ModelRunnerOutput
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceGroup, SequenceStatus
@@ -57,6 +57,7 @@ class LLMEngine:
         self,
         config: EngineConfig,
         executor_factory: Callable[[EngineConfig, ModelConfig], Executor] = make_executor,
+        detokenize: bool = True,  # False: callers detokenize (the EngineController streams token ids)
     ) -> None:
         source = resolve_model(config.model, config.revision)
         self.model_config = load_model_config(source, config.trust_remote_code)
@@ -85,7 +86,7 @@ class LLMEngine:
             self.block_manager,
             self.model_config.eos_token_ids,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
         logger.info(
@@ -167,21 +168,35 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule, execute, update. Returns outputs of requests that changed."""
-        so = self.scheduler.schedule()
-        result = ModelRunnerOutput()
-        if not so.is_empty:
-            try:
-                result = self.executor.execute_model(so)
-            except Exception as e:
-                self._fail_all(e)
-                raise
+        so = self.schedule()
+        try:
+            result = self.execute(so)
+        except Exception as e:
+            self.fail(e)
+            raise
+        return [self.output_processor.make_output(g) for g in self.update(so, result)]
+
+    # The phases are public so an async caller (the EngineController) can run `execute` in a thread
+    # while its event loop adds and aborts requests: `execute` touches only the executor, never the
+    # scheduler, so scheduler state only ever changes on the caller's own thread.
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a scheduled step on the workers (an empty step runs nothing)."""
+        if so.is_empty:
+            return ModelRunnerOutput()
+        return self.executor.execute_model(so)
+
+    def update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
+        """Apply a step's result; returns the requests that changed (new tokens, or finished for any reason)."""
         groups = self.scheduler.update(so, result)
         self.output_processor.process(groups, self.scheduler)
         seen = {g.request_id for g in groups}
         groups += [g for g in self.scheduler.take_finished() if g.request_id not in seen]
-        return [self.output_processor.make_output(g) for g in groups]
+        return groups
 
-    def _fail_all(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         """A worker failed: every request in flight ends with the error; the engine refuses new work."""
         self.dead = error
         for group in list(self.scheduler.waiting + self.scheduler.running + self.scheduler.swapped):

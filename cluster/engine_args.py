@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cluster.config import EngineConfig
+from cluster.config import PLACEMENT_STRATEGIES, EngineConfig
 from ops.attention.names import ATTENTION_BACKENDS
 
 
@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--distributed-executor-backend", default=None, choices=["ray", "inprocess"])
+    g.add_argument(
+        "--placement-strategy",
+        default="PACK",
+        choices=list(PLACEMENT_STRATEGIES),
+        help="Ray placement group strategy for the tensor-parallel workers",
+    )
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--revision", default=None)

@@ -58,6 +58,8 @@ class Scheduler:
         self._to_forget: list[int] = []  # seq ids the workers must drop at the next step
         self._scheduled: list[_Scheduled] = []  # what the last schedule() ran, for update()
         self._finished: list[SequenceGroup] = []  # finished since the last take_finished()
+        self._prefix_caching = block_manager.enable_prefix_caching
+        self._block_size = block_manager.block_size
         self.num_preemptions_recompute = 0
         self.num_preemptions_swap = 0
 
@@ -349,7 +351,7 @@ class Scheduler:
                 out.cached_seqs.append(
                     CachedSeqData(
                         seq_id=seq.seq_id,
-                        new_token_ids=seq.token_ids[seq.num_tokens_sent :],
+                        new_token_ids=seq.tokens_from(seq.num_tokens_sent),
                         num_kept_blocks=kept,
                         new_block_ids=table[kept:],
                         num_computed_tokens=seq.num_computed_tokens,
@@ -375,8 +377,11 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and update()
                 continue
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_tokens
-            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            # Only a block that just became full (and computed) can enter the prefix cache.
+            if self._prefix_caching and before // self._block_size != seq.num_computed_tokens // self._block_size:
+                self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         for seq_id, entries in result.prompt_logprobs.items():
             group = self._seq_owner.get(seq_id)
             if group is not None and group.prompt_logprobs is not None:

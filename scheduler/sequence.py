@@ -80,6 +80,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_from(self, start: int) -> list[int]:
+        """token_ids[start:] without building the whole list (start is usually near the end)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
