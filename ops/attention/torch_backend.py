@@ -43,16 +43,18 @@ class _GatherWorkspace:
     to the OS); reusing one buffer avoids that (up to 2x on decode in measurements). One workspace
     per thread, shared by every layer and backend instance in that thread (layers run one after
     another); it holds two buffers (K, V) of max(_MAX_GATHER_BYTES, one row's K) each.
+    Buffers are keyed by inference mode too: a tensor made under `torch.inference_mode()` cannot be
+    written outside it, so a thread that runs both ways (tests, profiling) keeps one buffer for each.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.dtype, int, bool], torch.Tensor] = {}
 
     def gather_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
         """cache[block_ids] into a reused buffer; `which` keeps K and V in separate buffers."""
         shape = (block_ids.numel(), *cache.shape[1:])
         numel = shape[0] * cache[0].numel()
-        key = (cache.dtype, which)
+        key = (cache.dtype, which, torch.is_inference_mode_enabled())
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=cache.dtype)

@@ -250,6 +250,20 @@ def test_single_long_decode_chunks_rows(monkeypatch: pytest.MonkeyPatch) -> None
     h.step([(0, 1), (1, 1), (2, 1)])
 
 
+def test_decode_inside_then_outside_inference_mode() -> None:
+    """The CPU gather workspace is per thread: a buffer made under inference_mode (an engine step) must
+    not break a later decode outside it (the tests, profiling) in the same thread, nor the other way round."""
+    case = Case("torch", "cpu", torch.float32, 4, 1e-5)
+    h = Harness(case, 8, 2, [12, 12], seed=5)
+    for i in range(2):
+        h.prefill_context(i, 9)
+    with torch.inference_mode():
+        h.step([(0, 1), (1, 1)])
+    h.step([(0, 1), (1, 1)])
+    with torch.inference_mode():
+        h.step([(0, 1), (1, 1)])
+
+
 def test_flash_attn_block_size_constraint() -> None:
     from ops.attention.flash_attn_backend import check_flash_attn_block_size
 
