@@ -1,0 +1,295 @@
+"""RayExecutor: one Ray actor per tensor-parallel rank, placed by a placement group.
+
+Each actor wraps the same `cluster.worker.Worker` the in-process executor uses. Start-up:
+reserve the bundles (clear error and nothing left behind when the cluster cannot hold
+them) -> start the actors -> rendezvous on rank 0's node IP and a port that rank 0 found
+free on its own node -> every rank loads its shard (gloo on CPU, NCCL on CUDA) -> each
+rank sizes its KV pool and the smallest answer wins.
+
+Per step the `SchedulerOutput` is pickled once and the same bytes go to every rank,
+concurrently: inline in the actor call when small (every decode step), else through the
+object store once. Rank 0 answers, the others return None. Invariant: nothing waits
+forever. Each step has a deadline (`RAYTP_STEP_TIMEOUT_S`); a rank that dies is noticed as
+soon as its call fails, even though the survivors are stuck in a collective waiting for it.
+Any failure names the rank, tears the whole group down (actors and placement group: a
+half-dead TP group can never step again) and makes every later call raise the same error.
+
+Environment knobs: RAYTP_STEP_TIMEOUT_S (60), RAYTP_PLACEMENT_TIMEOUT_S (60),
+RAYTP_LOAD_TIMEOUT_S (1800), RAYTP_CPUS_PER_WORKER (1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import EngineConfig, default_kv_cache_bytes
+from cluster.executor import Executor
+from cluster.placement import create_placement_group, new_group_name, worker_bundle
+from cluster.ray_utils import ensure_ray, env_float
+from cluster.worker import Worker
+from model_exec.config import ModelConfig
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_TIMEOUT_S = 10.0
+_INLINE_MAX_BYTES = 64 * 1024  # below Ray's 100 KiB limit for arguments inlined into the task spec
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died, raised, or stalled; the executor is unusable afterwards."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank  # None when no single rank can be blamed (every rank stalled)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    free_port: int  # bound and released just now on this node: rank 0's offer for the rendezvous
+    default_kv_bytes: int  # this node's default CPU KV budget, to share among the ranks placed on it
+    pid: int  # the rank's process, named in failure messages
+
+
+class RayWorker:
+    """The actor body of one rank: a thin shell over `Worker`, one explicit method per protocol step."""
+
+    def __init__(self, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)  # the bundle's CPU share (whole CPUs, at least one)
+        self.worker: Worker | None = None
+
+    def node_info(self) -> NodeInfo:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        ctx = ray.get_runtime_context()
+        return NodeInfo(ctx.get_node_id(), ray.util.get_node_ip_address(), port, default_kv_cache_bytes(), os.getpid())
+
+    def init_worker(
+        self, config: EngineConfig, model_config: ModelConfig, rank: int, world_size: int, init_method: str
+    ) -> None:
+        self.worker = Worker(config, model_config, rank, world_size, init_method)
+
+    def load_model(self) -> None:
+        self._w().load_model()
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        return self._w().determine_num_blocks()
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self._w().init_cache(num_device_blocks, num_cpu_blocks)
+
+    def execute_model(self, payload: bytes) -> ModelRunnerOutput | None:
+        so: SchedulerOutput = pickle.loads(payload)  # sent by our own controller, inside the cluster
+        return self._w().execute_model(so)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> None:
+        """Answers even while a step runs (its own thread), so health checks never queue behind a step."""
+
+    def _w(self) -> Worker:
+        assert self.worker is not None, "init_worker first"
+        return self.worker
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        ensure_ray()
+        self.world_size = config.tensor_parallel_size
+        self.step_timeout_s = env_float("RAYTP_STEP_TIMEOUT_S", 60.0)
+        cpus = env_float("RAYTP_CPUS_PER_WORKER", 1.0)
+        use_gpu = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+        self.workers: list[Any] = []  # actor handles, index = rank
+        self.nodes: list[NodeInfo] = []
+        self.last_step_bytes = 0  # pickled SchedulerOutput size of the latest step (what each rank receives)
+        self._error: RankFailedError | None = None
+        self._lock = threading.Lock()
+        self.name = new_group_name()
+        self.pg: PlacementGroup = create_placement_group(
+            worker_bundle(use_gpu, cpus),
+            self.world_size,
+            config.placement_strategy,
+            env_float("RAYTP_PLACEMENT_TIMEOUT_S", 60.0),
+            self.name,
+        )
+        # Registered before anything can fail: a dropped or half-built executor still frees its actors and PG.
+        self._finalizer = weakref.finalize(self, _teardown, self.workers, self.pg)
+        try:
+            self._start(config, model_config, use_gpu, cpus)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(RayWorker)  # type: ignore[call-overload]
+        for rank in range(self.world_size):
+            self.workers.append(
+                actor_cls.options(
+                    name=f"{self.name}-rank{rank}",
+                    num_cpus=cpus,
+                    num_gpus=1 if use_gpu else 0,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(max(1, int(cpus)))
+            )
+        load_timeout = env_float("RAYTP_LOAD_TIMEOUT_S", 1800.0)
+        self.nodes = self._gather([w.node_info.remote() for w in self.workers], load_timeout, "start")
+        host = self.nodes[0].ip
+        init_method = (
+            f"tcp://[{host}]:{self.nodes[0].free_port}" if ":" in host else f"tcp://{host}:{self.nodes[0].free_port}"
+        )
+        per_node: dict[str, int] = {}
+        for n in self.nodes:
+            per_node[n.node_id] = per_node.get(n.node_id, 0) + 1
+        refs = []
+        for rank, (w, node) in enumerate(zip(self.workers, self.nodes, strict=True)):
+            rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
+            if not use_gpu and config.kv_cache_memory_bytes is None:
+                # Ranks on one node share its RAM: together they get what one in-process worker would.
+                rank_config = dataclasses.replace(
+                    rank_config, kv_cache_memory_bytes=max(1, node.default_kv_bytes // per_node[node.node_id])
+                )
+            refs.append(w.init_worker.remote(rank_config, model_config, rank, self.world_size, init_method))
+        self._gather(refs, load_timeout, "start")
+        self._gather([w.load_model.remote() for w in self.workers], load_timeout, "model load")
+        logger.info(
+            "ray executor: %d ranks on nodes %s, rendezvous %s",
+            self.world_size,
+            [n.ip for n in self.nodes],
+            init_method,
+        )
+
+    # ------------------------------------------------------------------ protocol
+    def determine_num_blocks(self) -> tuple[int, int]:
+        answers = self._gather(
+            [w.determine_num_blocks.remote() for w in self.workers], self.step_timeout_s, "KV sizing"
+        )
+        return min(a[0] for a in answers), min(a[1] for a in answers)
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        refs = [w.init_cache.remote(num_device_blocks, num_cpu_blocks) for w in self.workers]
+        self._gather(refs, self.step_timeout_s, "KV allocation")
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._raise_if_failed()
+        # Pickled once for all ranks. Small payloads (every decode step: ~3 KB at batch 64) travel inline in
+        # the actor call; measured here, one call with a 6 KB argument took 0.7 ms inline vs 1.9 ms through
+        # ray.put + ref. Large ones (big prefill batches) go to the object store once, shared by all ranks.
+        payload = pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL)
+        self.last_step_bytes = len(payload)
+        arg: Any = payload if len(payload) <= _INLINE_MAX_BYTES else ray.put(payload)
+        results = self._gather([w.execute_model.remote(arg) for w in self.workers], self.step_timeout_s, "step")
+        out = results[0]
+        assert out is not None, "rank 0 always answers"
+        return out
+
+    def check_health(self) -> None:
+        self._raise_if_failed()
+        self._gather([w.ping.remote() for w in self.workers], _HEALTH_TIMEOUT_S, "health check")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # ------------------------------------------------------------------ failures
+    def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+        """Every rank's result, in rank order. The first rank to fail, or the deadline, fails the executor.
+
+        `ray.get` on the list returns early on the first error, so a dead rank is noticed at once even
+        though the survivors are stuck in a collective waiting for it.
+        """
+        try:
+            return list(ray.get(refs, timeout=timeout_s))
+        except GetTimeoutError:
+            pending = ray.wait(refs, num_returns=len(refs), timeout=0)[1]
+            raise self._fail(self._stall_error([refs.index(r) for r in pending], what, timeout_s)) from None
+        except RayError as e:
+            rank, cause = self._blame(refs, e)
+            raise self._fail(self._rank_error(rank, what, cause)) from e
+
+    def _blame(self, refs: list[Any], error: RayError) -> tuple[int, str]:
+        """(rank, what went wrong) for an error raised by one of `refs`."""
+        for rank, ref in enumerate(refs):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as e:
+                return rank, f"its worker actor died ({_first_line(e)})"
+            except RayTaskError as e:
+                return rank, f"it raised {_first_line(e.cause or e)}"
+            except RayError as e:  # lost objects, a dead node, ...
+                return rank, _first_line(e)
+        return 0, _first_line(error)
+
+    def _stall_error(self, ranks: list[int], what: str, timeout_s: float) -> RankFailedError:
+        # A rank that does not even answer a ping (served by its own thread) is the one to blame.
+        pings = {self.workers[r].ping.remote(): r for r in ranks}
+        ready = ray.wait(list(pings), num_returns=len(pings), timeout=2.0)[0]
+        answered = set()
+        for ref in ready:
+            with contextlib.suppress(RayError):
+                ray.get(ref)
+                answered.add(pings[ref])
+        dead = [r for r in sorted(ranks) if r not in answered]
+        blamed = dead or sorted(ranks)
+        knob = "; RAYTP_STEP_TIMEOUT_S sets the limit" if what == "step" else ""
+        return RankFailedError(
+            f"tensor-parallel rank{'s' if len(blamed) > 1 else ''} {', '.join(map(str, blamed))} of "
+            f"{self.world_size} did not finish the {what} within {timeout_s:g} s "
+            f"({'unresponsive' if dead else 'stalled, e.g. in a collective'}{knob})",
+            rank=blamed[0] if len(blamed) == 1 else None,
+        )
+
+    def _rank_error(self, rank: int, what: str, cause: str) -> RankFailedError:
+        where = f" (pid {self.nodes[rank].pid} on {self.nodes[rank].ip})" if rank < len(self.nodes) else ""
+        return RankFailedError(
+            f"tensor-parallel rank {rank} of {self.world_size}{where} failed during the {what}: {cause}", rank=rank
+        )
+
+    def _fail(self, error: RankFailedError) -> RankFailedError:
+        """Record the first failure and free everything: the surviving ranks could never step again."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+                logger.error("%s; shutting the tensor-parallel group down", error)
+        self.shutdown()
+        return self._error
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RankFailedError(str(self._error), self._error.rank)
+
+
+def _teardown(workers: list[Any], pg: PlacementGroup) -> None:
+    """Kill the rank actors and release their placement group (idempotent via weakref.finalize)."""
+    if not ray.is_initialized():
+        return
+    for w in workers:
+        with contextlib.suppress(Exception):  # already dead, or Ray going down: nothing left to free
+            ray.kill(w, no_restart=True)
+    with contextlib.suppress(Exception):
+        remove_placement_group(pg)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -1,0 +1,43 @@
+"""Reaching Ray: join the cluster the user already has, or start a local one.
+
+Order (decision): a process that already called `ray.init` keeps its session (tests,
+notebooks, Ray Serve replicas, `ray job submit` drivers); otherwise `RAY_ADDRESS`
+names the cluster to join; otherwise a fresh local Ray instance starts, sized by Ray
+from this machine's CPUs, GPUs and memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray() -> None:
+    """Make sure this process is connected to a Ray cluster."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        logger.info("joining the Ray cluster at RAY_ADDRESS=%s", address)
+        ray.init(address=address)
+    else:
+        logger.info("no Ray cluster given (RAY_ADDRESS unset): starting a local one")
+        ray.init(address="local")
+
+
+def env_float(name: str, default: float) -> float:
+    """A positive number from the environment, with a clear error for a malformed one."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
