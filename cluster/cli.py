@@ -1,6 +1,7 @@
 """The `raytp` command line.
 
 raytp generate [--model M] --prompt TEXT [--prompt TEXT ...] [sampling flags] [engine flags]
+raytp serve [MODEL] [--host H] [--port P] [--num-replicas N] [--api-key K] [engine flags]
 """
 
 from __future__ import annotations

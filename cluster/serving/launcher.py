@@ -1,0 +1,109 @@
+"""`raytp serve`: start (or join) Ray, deploy the app, print where it listens, block until a signal.
+
+Shutdown (decision): on Ctrl-C or SIGTERM the app is deleted; if this process started Ray
+it also shuts Serve and Ray down, so nothing is left running. On a cluster it joined
+(RAY_ADDRESS), Serve itself is left up: other applications may live there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.engine_args import add_engine_args
+
+APP_NAME = "raytp"
+
+
+def add_serve_parser(sub: Any) -> None:
+    """The `serve` subcommand; flag names follow `vllm serve` where they overlap."""
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API on Ray Serve")
+    p.add_argument("model", nargs="?", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set RAYTP_API_KEY)")
+    p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
+    p.add_argument("--autoscaling-config", type=json.loads, default=None, help="Serve autoscaling config as JSON")
+    p.add_argument("--max-waiting-requests", type=int, default=None, help="503 when a replica's queue is this long")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    extra = ("served_model_name", "api_key", "num_replicas", "autoscaling_config", "max_waiting_requests")
+    serve_args = {**engine, **{k: getattr(args, k) for k in extra if getattr(args, k) is not None}}
+    return run_server(args.host, args.port, serve_args)
+
+
+def _url_host(host: str) -> str:
+    return "localhost" if host in ("0.0.0.0", "::", "") else host
+
+
+def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.ray_utils import ensure_ray
+    from cluster.serving.builder import ServeArgs, build_app
+
+    sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
+    _check_model(sa.engine)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+        raise KeyboardInterrupt  # also interrupts a deployment still in progress
+
+    joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+    ensure_ray()
+    # After ray.init: Ray installs its own SIGTERM handler there; ours must win.
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(serve_args), name=APP_NAME, route_prefix="/")
+        name = sa.served_model_name or sa.engine.model or "SmolLM2-135M-Instruct (embedded)"
+        base = f"http://{_url_host(host)}:{port}"
+        print(f"raytp: serving {name} at {base}  (OpenAI base URL: {base}/v1); Ctrl-C to stop", flush=True)
+        while not stop.wait(3600):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        print("raytp: shutting down", file=sys.stderr, flush=True)
+        _teardown(joined)
+    return 0
+
+
+def _check_model(engine: EngineConfig) -> None:
+    """Fail fast (ValueError -> exit 2) on a model that cannot be found or split, before Ray starts:
+    inside Serve the same error would surface only as replica constructor retries."""
+    from model_exec.weights import load_model_config, resolve_model
+
+    source = resolve_model(engine.model, engine.revision)
+    load_model_config(source, engine.trust_remote_code).check_tp(engine.tensor_parallel_size)
+
+
+def _teardown(joined: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if joined:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+    finally:
+        if not joined:
+            ray.shutdown()

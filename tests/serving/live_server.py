@@ -1,0 +1,95 @@
+"""A live raytp Serve app on 127.0.0.1 for the serving tests: one per test module.
+
+Each module gets its own local Ray (4 logical CPUs, so TP workers' 1-CPU bundles fit on a
+2-core machine) and a free port; nothing is hard-coded. The test process is the Ray
+driver, so tests can also reach the LLMServer deployment (for get_stats) and the actors.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import ray
+import requests
+from ray import serve
+
+from cluster.serving.builder import build_app
+
+APP = "raytp"
+# Small KV pools: several engines (the server's and the offline reference) share the machine.
+SMALL_ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28, "swap_space": 0.25}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    base_url: str  # http://127.0.0.1:PORT
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def client(self, api_key: str = "unused", **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, **kw)
+
+    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, timeout=300)
+
+    def stats(self) -> dict[str, Any]:
+        """The controller's get_stats, through the LLMServer deployment (one replica in these tests)."""
+        handle = serve.get_deployment_handle("LLMServer", APP)
+        result: dict[str, Any] = handle.get_stats.remote().result(timeout_s=30)
+        return result
+
+    def model_info(self) -> dict[str, Any]:
+        result: dict[str, Any] = serve.get_deployment_handle("LLMServer", APP).model_info.remote().result(timeout_s=30)
+        return result
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Stats once no request is in flight and every device KV block is free again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.stats()
+            if st["num_requests"] == 0 and st["num_free_device_blocks"] == st["num_device_blocks"]:
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout_s} s: {st}")
+            time.sleep(0.2)
+
+
+@contextmanager
+def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]:
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=APP, route_prefix="/")
+        yield LiveServer(f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def sse_payloads(resp: requests.Response) -> list[Any]:
+    """The `data:` payloads of an SSE response, JSON-decoded; "[DONE]" stays a string."""
+    out: list[Any] = []
+    for line in resp.iter_lines(decode_unicode=True):
+        if not line:
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        data = line[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out

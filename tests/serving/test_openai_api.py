@@ -1,0 +1,306 @@
+"""The OpenAI API on a live server (embedded SmolLM2, TP=1), through the official `openai` client.
+
+Issue 4, must-show 1-3: models, completions, chat, both streamed, n=2, logprobs, greedy ==
+offline `LLM.generate`; 32 concurrent streams; 50 streams cut mid-way free every KV block.
+After every test the engine must be idle with all device blocks free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+import requests
+
+from cluster import LLM, SamplingParams
+from tests.cluster.reference import PROMPTS
+from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server, sse_payloads
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    with live_server({**SMALL_ENGINE, "max_num_seqs": 64}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    """The offline reference: the same engine in this process (in-process executor, TP=1)."""
+    llm = LLM(None, **SMALL_ENGINE)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def idle_after(server: LiveServer) -> Any:
+    yield
+    server.wait_idle()
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def offline_texts(llm: LLM, prompts: list[str], max_tokens: int, **kw: Any) -> list[str]:
+    return [o.outputs[0].text for o in llm.generate(prompts, greedy(max_tokens, **kw), use_tqdm=False)]
+
+
+def test_models_list(server: LiveServer) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+
+
+def test_completions_greedy_equal_offline(server: LiveServer, llm: LLM) -> None:
+    prompts = PROMPTS[:4]
+    resp = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
+    assert resp.object == "text_completion" and resp.model == MODEL
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == offline_texts(llm, prompts, 16)
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    tok = llm.get_tokenizer()
+    assert resp.usage is not None and resp.usage.completion_tokens == 4 * 16
+    assert resp.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    # the same prompt as token ids gives the same text
+    ids = tok.encode(prompts[0])
+    by_ids = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == resp.choices[0].text
+
+
+def test_chat_greedy_equal_offline(server: LiveServer, llm: LLM) -> None:
+    resp = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    (expected,) = llm.chat(CHAT, greedy(24), use_tqdm=False)
+    msg = resp.choices[0].message
+    assert resp.object == "chat.completion" and msg.role == "assistant"
+    assert msg.content == expected.outputs[0].text
+    assert resp.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streaming_completion_equals_non_streamed(server: LiveServer) -> None:
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[2],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    body, last = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in body) == full.choices[0].text
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in body)
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 20
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streaming_chat_equals_non_streamed(server: LiveServer) -> None:
+    client = server.client()
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True))  # type: ignore[arg-type]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_sse_framing_is_openai(server: LiveServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with requests.post(server.url("/v1/completions"), json=body, stream=True, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.content.decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_n2_streamed_and_not(server: LiveServer) -> None:
+    client = server.client()
+    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, n=2, seed=7)
+    resp = client.completions.create(**kw)
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished: dict[int, str | None] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert set(finished) == {0, 1}
+    # a per-request seed makes the samples reproducible, streamed or not
+    assert texts == {c.index: c.text for c in resp.choices}
+
+
+def test_completion_logprobs(server: LiveServer, llm: LLM) -> None:
+    resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == resp.choices[0].text
+    (ref,) = llm.generate(PROMPTS[0], greedy(8, logprobs=3), use_tqdm=False)
+    ref_lps = [pos[t].logprob for pos, t in zip(ref.outputs[0].logprobs or [], ref.outputs[0].token_ids, strict=True)]
+    assert lp.token_logprobs == pytest.approx(ref_lps, abs=1e-3)
+    for tok, top, chosen in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert 3 <= len(top) <= 4 and top[tok] == chosen and chosen == pytest.approx(max(top.values()))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+
+
+def test_chat_logprobs(server: LiveServer) -> None:
+    resp = server.client().chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,  # type: ignore[arg-type]
+    )
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob == entry.top_logprobs[0].logprob
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_stop_strings_streamed_and_not(server: LiveServer, llm: LLM) -> None:
+    # greedy: " Paris.\n\nThe answer is: ..." -- "\n" is held back while streaming, never sent
+    (expected,) = offline_texts(llm, [PROMPTS[0]], 24, stop=["\n"])
+    client = server.client()
+    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=["\n", "answer"])
+    full = client.completions.create(**kw)
+    assert full.choices[0].text == expected == " Paris."
+    assert full.choices[0].finish_reason == "stop"
+    assert full.choices[0].model_extra["stop_reason"] == "\n"  # type: ignore[index]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == expected
+    # a stop string split across tokens ("s: 2" spans several) still ends the text where it starts
+    (ref,) = offline_texts(llm, [PROMPTS[0]], 24, stop=["s: 2"])
+    split = client.completions.create(**{**kw, "stop": ["s: 2"]}, stream=True)
+    assert "".join(c.choices[0].text for c in split) == ref == " Paris.\n\nThe answer i"
+
+
+def test_vllm_sampling_extensions(server: LiveServer, llm: LLM) -> None:
+    client = server.client()
+    tok = llm.get_tokenizer()
+    (ref,) = llm.generate(PROMPTS[0], greedy(8), use_tqdm=False)
+    ids = ref.outputs[0].token_ids
+    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, user="tests")
+    # stop_token_ids: ends where the offline engine ends, with the token as the stop reason
+    (stopped,) = llm.generate(PROMPTS[0], greedy(8, stop_token_ids=[ids[3]]), use_tqdm=False)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[3]]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == ids[3]  # type: ignore[index]
+    assert r.choices[0].text == stopped.outputs[0].text
+    assert r.usage is not None and r.usage.completion_tokens == len(stopped.outputs[0].token_ids) < 8
+    # logit_bias (OpenAI) forces a token; top_k=1 (vLLM) makes sampling greedy
+    the = tok.encode(" the")[0]
+    r = client.completions.create(**kw, logit_bias={str(the): 100})
+    assert r.choices[0].text == " the" * 8
+    r = client.completions.create(**{**kw, "temperature": 1.0}, seed=3, extra_body={"top_k": 1})
+    assert r.choices[0].text == ref.outputs[0].text
+    # penalties, min_p and repetition_penalty pass through SamplingParams (values checked there)
+    r = client.completions.create(
+        **kw, presence_penalty=0.5, frequency_penalty=0.5, extra_body={"min_p": 0.1, "repetition_penalty": 1.2}
+    )
+    assert r.choices[0].finish_reason == "length"
+    # min_tokens + ignore_eos: a chat reply that would end early runs to max_tokens
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_completion_tokens=40,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"min_tokens": 40, "ignore_eos": True},
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 40
+
+
+def test_echo_and_best_of(server: LiveServer) -> None:
+    client = server.client()
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert echo.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    best = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, n=1, best_of=3, seed=1)
+    assert len(best.choices) == 1 and best.choices[0].index == 0
+
+
+def test_tokenize_detokenize(server: LiveServer, llm: LLM) -> None:
+    tok = requests.post(server.url("/tokenize"), json={"prompt": PROMPTS[0]}, timeout=30).json()
+    assert tok["tokens"] == llm.get_tokenizer().encode(PROMPTS[0]) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 512
+    detok = requests.post(server.url("/detokenize"), json={"tokens": tok["tokens"]}, timeout=30).json()
+    assert detok["prompt"] == PROMPTS[0]
+
+
+def test_32_concurrent_streams(server: LiveServer, llm: LLM) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" if i >= len(PROMPTS) else PROMPTS[i] for i in range(32)]
+    expected = offline_texts(llm, prompts, 12)
+
+    async def one(client: Any, prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main() -> list[str]:
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == expected
+    assert len(set(got)) > 16  # different prompts, different answers: nothing crossed between streams
+
+
+def test_50_streams_cut_midway_free_every_block(server: LiveServer, llm: LLM) -> None:
+    body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def cut_after(session: aiohttp.ClientSession, i: int, n_chunks: int) -> int:
+        resp = await session.post(server.url("/v1/completions"), json={**body, "prompt": f"Count to {i}:"})
+        seen = 0
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                seen += 1
+                if seen == n_chunks:
+                    break
+        resp.close()  # drops the connection mid-stream
+        return seen
+
+    async def main() -> list[int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            return await asyncio.gather(*(cut_after(session, i, 2 + i % 5) for i in range(50)))
+
+    before = server.stats()
+    counts = asyncio.run(main())
+    assert counts == [2 + i % 5 for i in range(50)]  # every stream was cut after a few tokens of 400
+    after = server.wait_idle(timeout_s=60)
+    assert after["num_running"] == after["num_waiting"] == after["num_swapped"] == 0
+    # The requests were aborted, not run to their 400 tokens: at most a few steps went on after each cut.
+    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    assert generated < 50 * 400 // 4, generated
+    # ... and the server still answers correctly
+    resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    assert resp.choices[0].text == offline_texts(llm, [PROMPTS[1]], 12)[0]
+
+
+def test_raw_sse_usage_chunk(server: LiveServer) -> None:
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with requests.post(server.url("/v1/chat/completions"), json=body, stream=True, timeout=60) as resp:
+        events = sse_payloads(resp)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+    assert all("usage" in e and e["usage"] is None for e in events[:-2])
