@@ -84,12 +84,7 @@ class ChatHandler:
             )
             for i, seq in enumerate(seqs)
         ]
-        completion_tokens = sum(len(s.token_ids) for s in seqs)
-        usage = UsageInfo(
-            prompt_tokens=len(gen.prompt_token_ids),
-            completion_tokens=completion_tokens,
-            total_tokens=len(gen.prompt_token_ids) + completion_tokens,
-        )
+        usage = UsageInfo.of(len(gen.prompt_token_ids), sum(len(s.token_ids) for s in seqs))
         return ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices, usage=usage)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, gen: Generation) -> AsyncIterator[str]:
@@ -120,12 +115,7 @@ class ChatHandler:
                             )
                         )
             if include_usage:
-                prompt_tokens = len(gen.prompt_token_ids)
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                )
+                usage = UsageInfo.of(len(gen.prompt_token_ids), completion_tokens)
                 resp = ChatCompletionChunk(
                     id=request_id, created=created, model=self.ctx.model_name, choices=[], usage=usage
                 )

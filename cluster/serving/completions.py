@@ -90,11 +90,11 @@ class CompletionHandler:
         self, req: CompletionRequest, request_id: str, gens: list[Generation], texts: list[str]
     ) -> CompletionResponse:
         choices: list[CompletionChoice] = []
-        usage = UsageInfo()
+        prompt_tokens = completion_tokens = 0
         for pi, gen in enumerate(gens):
-            usage.prompt_tokens += len(gen.prompt_token_ids)
+            prompt_tokens += len(gen.prompt_token_ids)
             for j, seq in enumerate(gen.best(req.n)):
-                usage.completion_tokens += len(seq.token_ids)
+                completion_tokens += len(seq.token_ids)
                 text, logprobs = seq.text, None
                 if req.logprobs is not None:
                     ids = list(seq.token_ids)
@@ -114,7 +114,7 @@ class CompletionHandler:
                         stop_reason=seq.stop_reason,
                     )
                 )
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage = UsageInfo.of(prompt_tokens, completion_tokens)
         return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices, usage=usage)
 
     async def _stream(
@@ -158,12 +158,7 @@ class CompletionHandler:
                     if u.text or u.finish_reason is not None or lp is not None:
                         yield chunk(pi * req.n + u.index, u.text, lp, u.finish_reason, u.stop_reason)
             if include_usage:
-                prompt_tokens = sum(len(g.prompt_token_ids) for g in gens)
-                usage = UsageInfo(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                )
+                usage = UsageInfo.of(sum(len(g.prompt_token_ids) for g in gens), completion_tokens)
                 resp = CompletionResponse(
                     id=request_id, created=created, model=self.ctx.model_name, choices=[], usage=usage
                 )

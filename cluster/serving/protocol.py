@@ -105,6 +105,14 @@ class UsageInfo(OpenAIModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 class CompletionLogprobs(OpenAIModel):
     """The legacy completions logprobs object: parallel lists, one entry per token."""

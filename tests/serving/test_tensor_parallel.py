@@ -6,7 +6,6 @@ actors (gloo on CPU). The reference is the offline engine at TP=1 in this proces
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
@@ -15,13 +14,7 @@ from cluster import LLM, SamplingParams
 from tests.cluster.reference import PROMPTS
 from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("cluster.ray_executor") is None,
-        reason="TP > 1 needs the Ray executor (cluster/ray_executor.py), which has not landed",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
