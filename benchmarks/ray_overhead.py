@@ -4,6 +4,9 @@ At TP=1 the two paths run the same model on the same engine; the difference in m
 Ray adds (pickling the SchedulerOutput, one actor call, the result coming back). Measured on
 steady decode steps: `--batch` requests are prefilled and warmed up first, then `--steps` pure
 decode steps are timed; bytes/step is the pickled SchedulerOutput (what each rank receives).
+All engines are built first and then measured in interleaved rounds (`--rounds`), each figure the
+median over rounds: on a shared 2-core machine, measuring one path after the other lets a noisy
+minute land on one side only (seen here: the same in-process case at 56 and 74 ms/step).
 
     python -m benchmarks.ray_overhead                 # tiny random Llama (overhead-dominated), ~1 min
     python -m benchmarks.ray_overhead --model smollm2 # the embedded SmolLM2-135M, ~3 min on 2 cores
@@ -94,6 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="timed decode steps per case (0: 100 tiny, 30 else)")
     parser.add_argument("--tp", type=int, default=1, help="also time the Ray path at this TP size (>1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, in-process and in Ray")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median reported)")
     args = parser.parse_args()
 
     import os
@@ -119,7 +123,9 @@ def main() -> None:
     elif args.model == "smollm2":
         model = None
     steps = args.steps or (100 if args.model == "tiny" else 30)
-    ray.init(address="local", num_cpus=max(2, args.tp) * args.threads, include_dashboard=False, log_to_driver=False)
+    # Every engine stays up for the interleaved rounds: the TP=1 rank and, with --tp, the TP ranks hold CPUs at once.
+    ranks = 1 + (args.tp if args.tp > 1 else 0)
+    ray.init(address="local", num_cpus=max(2, ranks) * args.threads, include_dashboard=False, log_to_driver=False)
     common = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=max(args.batch), enable_prefix_caching=False)
 
     cases: list[tuple[str, dict[str, Any]]] = [
@@ -128,16 +134,28 @@ def main() -> None:
     ]
     if args.tp > 1:
         cases.append((f"Ray        TP={args.tp}", dict(tensor_parallel_size=args.tp)))
-    results: dict[str, dict[int, Figures]] = {}
-    for name, extra in cases:
-        llm = LLM(model, **common, **extra)
-        results[name] = {b: measure(llm, b, steps, seed=b) for b in args.batch}
+    llms = {name: LLM(model, **common, **extra) for name, extra in cases}
+    rounds: dict[str, dict[int, list[Figures]]] = {name: {b: [] for b in args.batch} for name in llms}
+    for r in range(args.rounds):
+        for b in args.batch:
+            for name, llm in llms.items():
+                rounds[name][b].append(measure(llm, b, steps, seed=1000 * r + b))
+    for llm in llms.values():
         llm.llm_engine.shutdown()
     ray.shutdown()
+    results = {
+        name: {
+            b: Figures(
+                statistics.median(f.ms_per_step for f in figs), statistics.median(f.bytes_per_step for f in figs)
+            )
+            for b, figs in per_batch.items()
+        }
+        for name, per_batch in rounds.items()
+    }
 
     print(f"\nmodel: {'tiny random Llama (2 layers, hidden 64)' if args.model == 'tiny' else args.model}; "
-          f"{steps} timed decode steps per case, median ms/step; prompts of {PROMPT_LEN} tokens; "
-          f"{args.threads} torch thread(s) per rank")  # fmt: skip
+          f"{steps} timed decode steps per case and round, median ms/step over {args.rounds} interleaved rounds; "
+          f"prompts of {PROMPT_LEN} tokens; {args.threads} torch thread(s) per rank")  # fmt: skip
     print(f"{'executor':<18}" + "".join(f"{f'batch {b} ms/step':>20}" for b in args.batch))
     for name, figs in results.items():
         print(f"{name:<18}" + "".join(f"{figs[b].ms_per_step:>20.2f}" for b in args.batch))
