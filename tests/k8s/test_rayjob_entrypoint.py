@@ -165,7 +165,6 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-@pytest.mark.slow
 def test_entrypoint_runs_as_written_on_a_local_ray_cluster(tmp_path: Path) -> None:
     missing = _batch_cli_missing()
     if missing is not None:
