@@ -1,0 +1,238 @@
+"""Record raytp's stats into Ray's metrics pipeline (ray.util.metrics), tagged by model and replica.
+
+Every process that owns a fact records it where it is, and Ray's per-node metrics agent exports
+it on that node's metrics port beside Ray Serve's `ray_serve_*` series (names: registry.py):
+
+    EngineMetrics(model_name, replica)         controller / output path: scheduler + iteration stats, health
+    WorkerMetrics(model_name, replica, rank)   each TP worker: its execute_model wall time
+    BatchMetrics(model_name, batch_job)        the batch runner: rows total / done / failed
+
+How Ray 2.60 behaves, and what this module does about it (each checked in tests/metrics):
+- A recorded value reaches the node's metrics port after one export interval
+  (RAY_metrics_report_interval_ms, 10 s by default); nothing is exported before the first record.
+- A counter cannot be incremented by 0, so a counter nobody incremented yet has no series and its
+  panel would be blank. Each recorder creates its counters at 0 on first use (as vLLM's
+  `.labels()` does), including request_success for every finish reason.
+- A gauge that is not set again within two export intervals is dropped from the export. A
+  daemon thread per process re-sets every live gauge value each `GAUGE_REFRESH_S`, so an idle
+  engine still shows 0 running requests; `close()` stops refreshing a recorder's gauges.
+- A histogram's `_sum` is rebuilt from bucket midpoints; each histogram therefore has a companion
+  counter `<name>_sum_exact` incremented by the exact value (registry.MetricDef.exact_sum).
+
+Instruments are created once per process, lazily, from the registry; recording costs one
+`ray.util.metrics` call per value (plus one for a histogram's exact sum).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+
+from ray.util import metrics as ray_metrics
+
+from cluster.metrics.registry import FINISH_REASONS, MetricDef, metric
+from cluster.metrics.stats import BatchProgress, IterationStats, SchedulerStats
+
+# How often live gauges are re-set. It must stay below Ray's gauge time-to-live, which is two
+# export intervals of at least 1 s each; re-setting a handful of gauges once a second is free.
+GAUGE_REFRESH_S = 1.0
+
+_instruments: dict[str, ray_metrics.Metric] = {}
+_instruments_lock = threading.Lock()
+
+
+def _instrument(d: MetricDef) -> ray_metrics.Metric:
+    """The process's one Ray instrument for `d` (Ray wants one object per name and process)."""
+    with _instruments_lock:
+        inst = _instruments.get(d.name)
+        if inst is None:
+            if d.kind == "counter":
+                inst = ray_metrics.Counter(d.ray_name, description=d.help, tag_keys=d.labels)
+            elif d.kind == "gauge":
+                inst = ray_metrics.Gauge(d.ray_name, description=d.help, tag_keys=d.labels)
+            else:
+                inst = ray_metrics.Histogram(
+                    d.ray_name, description=d.help, boundaries=list(d.buckets), tag_keys=d.labels
+                )
+            _instruments[d.name] = inst
+        return inst
+
+
+def _count(d: MetricDef, value: float, tags: Mapping[str, str]) -> None:
+    if value < 0:
+        raise ValueError(f"{d.name} is a counter: cannot add {value}")
+    if value > 0:  # Ray refuses inc(0); a zero adds nothing anyway
+        _instrument(d).inc(value, tags=dict(tags))  # type: ignore[attr-defined]
+
+
+def _zero(d: MetricDef, tags: Mapping[str, str]) -> None:
+    """Make counter `d`'s series exist at 0. Ray's public inc() refuses 0, but its recording path
+    accepts it and then exports the series at 0 (tests/metrics/test_ray_recorder.py checks that)."""
+    _instrument(d)._record(0.0, tags=dict(tags))
+
+
+def _observe(d: MetricDef, values: Iterable[float], tags: Mapping[str, str]) -> None:
+    hist = _instrument(d)
+    exact = d.exact_sum
+    assert exact is not None, f"{d.name} is not a histogram"
+    total = 0.0
+    for v in values:
+        if v < 0:
+            raise ValueError(f"{d.name}: observations are durations or counts, got {v}")
+        hist.observe(v, tags=dict(tags))  # type: ignore[attr-defined]
+        total += v
+    _count(exact, total, tags)
+
+
+class _GaugeKeeper:
+    """Holds the last value of every live gauge series in this process and re-sets them all every
+    GAUGE_REFRESH_S from a daemon thread, which runs only while some gauge is live."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def set(self, d: MetricDef, tags: Mapping[str, str], value: float) -> None:
+        # Set under the lock so a refresh can never write an older value after a newer one.
+        with self._lock:
+            self._live[(d.name, frozenset(tags.items()))] = value
+            _instrument(d).set(value, tags=dict(tags))  # type: ignore[attr-defined]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="raytp-gauge-keeper", daemon=True)
+                self._thread.start()
+
+    def forget(self, tags: Mapping[str, str]) -> None:
+        """Stop refreshing every series whose labels include all of `tags` (Ray then ages them out)."""
+        items = set(tags.items())
+        with self._lock:
+            for key in [k for k in self._live if items <= k[1]]:
+                del self._live[key]
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(GAUGE_REFRESH_S)
+            with self._lock:
+                if not self._live:
+                    self._thread = None  # the next set() starts a fresh thread
+                    return
+                for (name, tags), value in self._live.items():
+                    _instrument(metric(name)).set(value, tags=dict(tags))  # type: ignore[attr-defined]
+
+
+_keeper = _GaugeKeeper()
+
+_SUCCESS = metric("request_success")
+_SCHEDULER_GAUGES = (
+    (metric("num_requests_running"), "num_running_reqs"),
+    (metric("num_requests_waiting"), "num_waiting_reqs"),
+    (metric("num_requests_swapped"), "num_swapped_reqs"),
+    (metric("kv_cache_usage_perc"), "kv_cache_usage"),
+)
+_PREFIX = (metric("prefix_cache_queries"), metric("prefix_cache_hits"))
+_ITERATION_COUNTERS = (metric("prompt_tokens"), metric("generation_tokens"), metric("num_preemptions"))
+_FINISHED_HISTOGRAMS = (
+    (metric("e2e_request_latency_seconds"), "e2e_latency"),
+    (metric("request_queue_time_seconds"), "queued_time"),
+    (metric("request_prefill_time_seconds"), "prefill_time"),
+    (metric("request_decode_time_seconds"), "decode_time"),
+    (metric("request_prompt_tokens"), "num_prompt_tokens"),
+    (metric("request_generation_tokens"), "num_generation_tokens"),
+    (metric("request_params_n"), "n_param"),
+)
+
+
+class EngineMetrics:
+    """One model replica's engine metrics, recorded in the process that calls it.
+
+    The scheduler-state gauges and the prefix-cache counters come from `record_scheduler_stats`
+    (the controller, which owns the scheduler and the block manager); the token counters, TTFT,
+    ITL and the finished-request histograms come from `record_iteration_stats` (wherever tokens
+    reach their requests). The two may be called from different processes, each with its own
+    EngineMetrics for the same (model_name, replica): Prometheus sums the per-process series.
+    """
+
+    def __init__(self, model_name: str, replica: str, num_ranks: int = 0) -> None:
+        """num_ranks: the controller passes its TP size, which creates each rank's failure counter
+        at 0 (so the dashboard lists every rank and increase() sees the first failure)."""
+        self._tags = {"model_name": model_name, "replica": replica}
+        self._scheduler_started = False
+        self._iteration_started = False
+        for rank in range(num_ranks):
+            _zero(metric("worker_failures"), {**self._tags, "rank": str(rank)})
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        if not self._scheduler_started:
+            self._scheduler_started = True
+            for d in _PREFIX:
+                _zero(d, self._tags)
+        for d, attr in _SCHEDULER_GAUGES:
+            _keeper.set(d, self._tags, float(getattr(stats, attr)))
+        _count(_PREFIX[0], stats.prefix_cache_queries, self._tags)
+        _count(_PREFIX[1], stats.prefix_cache_hits, self._tags)
+
+    def record_iteration_stats(self, stats: IterationStats) -> None:
+        tags = self._tags
+        if not self._iteration_started:
+            self._iteration_started = True
+            for d in _ITERATION_COUNTERS:
+                _zero(d, tags)
+            for reason in FINISH_REASONS:
+                _zero(_SUCCESS, {**tags, "finished_reason": reason})
+        prompt, generation, preemptions = _ITERATION_COUNTERS
+        _count(prompt, stats.num_prompt_tokens, tags)
+        _count(generation, stats.num_generation_tokens, tags)
+        _count(preemptions, stats.num_preempted_reqs, tags)
+        if stats.num_tokens > 0:  # an idle step is not an iteration
+            _observe(metric("iteration_tokens_total"), (stats.num_tokens,), tags)
+        if stats.time_to_first_tokens:
+            _observe(metric("time_to_first_token_seconds"), stats.time_to_first_tokens, tags)
+        if stats.inter_token_latencies:
+            _observe(metric("inter_token_latency_seconds"), stats.inter_token_latencies, tags)
+        if stats.step_time is not None:
+            _observe(metric("engine_step_time_seconds"), (stats.step_time,), tags)
+        for req in stats.finished_requests:
+            _count(_SUCCESS, 1, {**tags, "finished_reason": req.finish_reason})
+            for d, attr in _FINISHED_HISTOGRAMS:
+                _observe(d, (float(getattr(req, attr)),), tags)
+            if req.max_tokens_param is not None:
+                _observe(metric("request_params_max_tokens"), (float(req.max_tokens_param),), tags)
+
+    def record_worker_failure(self, rank: int) -> None:
+        """A TP worker actor of this replica was found dead (the controller calls this)."""
+        _count(metric("worker_failures"), 1, {**self._tags, "rank": str(rank)})
+
+    def record_health(self, healthy: bool) -> None:
+        """1 once the engine serves, 0 once it is dead; kept until close() or the process ends."""
+        _keeper.set(metric("engine_healthy"), self._tags, 1.0 if healthy else 0.0)
+
+    def close(self) -> None:
+        """Stop refreshing this replica's gauges; Ray drops them within two export intervals."""
+        _keeper.forget(self._tags)
+
+
+class WorkerMetrics:
+    """One tensor-parallel rank's metrics, recorded in its worker process."""
+
+    def __init__(self, model_name: str, replica: str, rank: int) -> None:
+        self._tags = {"model_name": model_name, "replica": replica, "rank": str(rank)}
+
+    def record_step(self, seconds: float) -> None:
+        _observe(metric("worker_step_time_seconds"), (seconds,), self._tags)
+
+
+class BatchMetrics:
+    """A batch job's progress, recorded by the process that drives the job."""
+
+    def __init__(self, model_name: str, batch_job: str) -> None:
+        self._tags = {"model_name": model_name, "batch_job": batch_job}
+
+    def record_progress(self, progress: BatchProgress) -> None:
+        _keeper.set(metric("batch_rows_total"), self._tags, float(progress.rows_total))
+        _keeper.set(metric("batch_rows_done"), self._tags, float(progress.rows_done))
+        _keeper.set(metric("batch_rows_failed"), self._tags, float(progress.rows_failed))
+
+    def close(self) -> None:
+        """Stop refreshing the job's gauges (call when the job ends; they then age out)."""
+        _keeper.forget(self._tags)

@@ -1,0 +1,31 @@
+"""A local Ray per test module whose metrics reach the node's metrics port within ~1 s."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from tests.metrics.prom import free_port
+
+# Ray exports every 10 s by default (RAY_metrics_report_interval_ms); 1 s keeps the waits short.
+EXPORT_INTERVAL_MS = 1000
+
+
+@pytest.fixture(scope="module")
+def ray_metrics_port() -> Iterator[int]:
+    """A fresh local Ray (never a cluster someone else started) and its node's metrics port."""
+    if ray.is_initialized():
+        ray.shutdown()
+    port = free_port()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": EXPORT_INTERVAL_MS},
+    )
+    yield port
+    ray.shutdown()
