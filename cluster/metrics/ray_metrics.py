@@ -184,8 +184,8 @@ class EngineMetrics:
         _count(prompt, stats.num_prompt_tokens, tags)
         _count(generation, stats.num_generation_tokens, tags)
         _count(preemptions, stats.num_preempted_reqs, tags)
-        if stats.num_tokens > 0:  # an idle step is not an iteration
-            _observe(metric("iteration_tokens_total"), (stats.num_tokens,), tags)
+        if stats.num_scheduled_tokens > 0:  # an idle step is not an iteration
+            _observe(metric("iteration_tokens_total"), (stats.num_scheduled_tokens,), tags)
         if stats.time_to_first_tokens:
             _observe(metric("time_to_first_token_seconds"), stats.time_to_first_tokens, tags)
         if stats.inter_token_latencies:

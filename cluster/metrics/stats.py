@@ -62,18 +62,17 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    num_prompt_tokens: int = 0  # prompt tokens whose KV this step computed (prefill chunks)
-    num_generation_tokens: int = 0  # tokens sampled this step, over all sequences
+    # Whole prompts of the requests whose first token came this step: each prompt counts once,
+    # as in vLLM, so the counter matches the prompt_tokens of the usage blocks users receive
+    # (cached prefixes and recomputation after preemption are not counted again).
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0  # tokens sampled this step and kept, over all sequences
+    num_scheduled_tokens: int = 0  # tokens this step's forward pass processed (prefill chunks + decodes)
     num_preempted_reqs: int = 0  # requests preempted (recompute or swap) by this step's schedule()
     time_to_first_tokens: list[float] = field(default_factory=list)  # per request whose first token came now
     inter_token_latencies: list[float] = field(default_factory=list)  # per decoded token: time since the previous
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     step_time: float | None = None  # wall time of the whole engine step; None: not measured here
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this step processed, vLLM's iteration_tokens_total observation."""
-        return self.num_prompt_tokens + self.num_generation_tokens
 
 
 @dataclass(frozen=True)

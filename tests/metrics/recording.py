@@ -32,6 +32,7 @@ def iteration() -> IterationStats:
     return IterationStats(
         num_prompt_tokens=30,
         num_generation_tokens=7,
+        num_scheduled_tokens=37,
         num_preempted_reqs=1,
         time_to_first_tokens=[0.3, 1.2],
         inter_token_latencies=[0.02, 0.04, 0.06],
