@@ -33,6 +33,8 @@ from ray.util import metrics as ray_metrics
 from cluster.metrics.registry import FINISH_REASONS, MetricDef, metric
 from cluster.metrics.stats import BatchProgress, IterationStats, SchedulerStats
 
+Tags = dict[str, str]  # passed to Ray as is: Ray merges it into a new dict and never mutates it
+
 # How often live gauges are re-set. It must stay below Ray's gauge time-to-live, which is two
 # export intervals of at least 1 s each; re-setting a handful of gauges once a second is free.
 GAUGE_REFRESH_S = 1.0
@@ -58,28 +60,28 @@ def _instrument(d: MetricDef) -> ray_metrics.Metric:
         return inst
 
 
-def _count(d: MetricDef, value: float, tags: Mapping[str, str]) -> None:
+def _count(d: MetricDef, value: float, tags: Tags) -> None:
     if value < 0:
         raise ValueError(f"{d.name} is a counter: cannot add {value}")
     if value > 0:  # Ray refuses inc(0); a zero adds nothing anyway
-        _instrument(d).inc(value, tags=dict(tags))  # type: ignore[attr-defined]
+        _instrument(d).inc(value, tags=tags)  # type: ignore[attr-defined]
 
 
-def _zero(d: MetricDef, tags: Mapping[str, str]) -> None:
+def _zero(d: MetricDef, tags: Tags) -> None:
     """Make counter `d`'s series exist at 0. Ray's public inc() refuses 0, but its recording path
     accepts it and then exports the series at 0 (tests/metrics/test_ray_recorder.py checks that)."""
-    _instrument(d)._record(0.0, tags=dict(tags))
+    _instrument(d)._record(0.0, tags=tags)
 
 
-def _observe(d: MetricDef, values: Iterable[float], tags: Mapping[str, str]) -> None:
-    hist = _instrument(d)
+def _observe(d: MetricDef, values: Iterable[float], tags: Tags) -> None:
+    observe = _instrument(d).observe  # type: ignore[attr-defined]
     exact = d.exact_sum
     assert exact is not None, f"{d.name} is not a histogram"
     total = 0.0
     for v in values:
         if v < 0:
             raise ValueError(f"{d.name}: observations are durations or counts, got {v}")
-        hist.observe(v, tags=dict(tags))  # type: ignore[attr-defined]
+        observe(v, tags=tags)
         total += v
     _count(exact, total, tags)
 
