@@ -43,7 +43,12 @@ def _panel(p: Panel, panel_id: int) -> Any:
     )
     if p.kind == "heatmap":
         # Prometheus already bucketed the data: draw its buckets (le) rather than re-bucketing.
-        builder = builder.calculate(False).rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.LE))
+        builder = (
+            builder.calculate(False)
+            .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.LE))
+            .show_tooltip()
+            .show_y_histogram()
+        )
     else:
         builder = builder.unit(p.unit).fill_opacity(10).show_points(common.VisibilityMode.NEVER)
     for i, t in enumerate(p.targets):
