@@ -1,14 +1,338 @@
 """The raytp Ray Serve application: an OpenAI-compatible API over the raytp engine.
 
     serve run serve_app:app                          # the embedded SmolLM2, one model replica
-    serve run serve_config.yaml                      # import_path: serve_app:build_app, with args
+    serve run serve_config.example.yaml              # import_path: serve_app:build_app, with args
     raytp serve [MODEL] --port 8000                  # the same, started with one command
 
-The application lives in `cluster/serving/`; this module only names its entry points.
+The Serve graph, as `build_app` binds it:
+
+    HTTP proxy -> OpenAIIngress (FastAPI routes: auth, parsing, tokenizer, chat template, response shapes)
+                     -> LLMServer replicas (one per model replica; Serve balances across them)
+                           -> EngineController actor (scheduler, KV blocks, output processing)
+                                 -> placement group of TP worker actors (model shard + KV cache each)
+
+A request's tokens come back as the engine's `RequestDelta`s (text, stop strings and logprobs
+already done by the engine's one output road); the ingress only shapes them into OpenAI's JSON
+or SSE. The handlers are in `raytp/openai/`; nothing below this file imports it.
+
+No `from __future__ import annotations` here: FastAPI must see the real request model classes in
+the route signatures (as strings, Serve's class-based routes would read them as query fields).
 """
 
-from cluster.serving.builder import build_app
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.responses import Response
+
+from cluster.config import EngineConfig
+from cluster.engine import EngineDeadError
+from cluster.outputs import RequestDelta
+from model_exec.source import load_tokenizer, resolve_model
+from raytp.openai.app import API_KEY_ENV, build_api, json_response
+from raytp.openai.chat import ChatHandler
+from raytp.openai.completions import CompletionHandler
+from raytp.openai.context import SSE_HEADERS, ServingContext, max_token_chars
+from raytp.openai.errors import EngineOverloadedError, OpenAIError, bad_request, to_openai_error
+from raytp.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from raytp.openai.stream import ServeEngineClient
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Default concurrency of one replica: the engine queues and batches, so Serve should not
+# hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
+DEFAULT_MAX_ONGOING_REQUESTS = 1024
+_HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+# ----------------------------------------------------------------------------- model replicas
+
+
+class LLMServer:
+    """One model replica: owns one `EngineController` actor (which owns the TP workers, in their
+    placement group) and relays its deltas.
+
+    Ownership is the lifetime: a replica that Serve stops or replaces takes its controller and
+    workers with it, so `num_replicas` / autoscaling scale whole model replicas. Decision: the
+    controller is an actor of its own rather than the engine living in the replica, so the step
+    loop never competes with Serve's request handling for the replica's event loop, and a dead
+    engine is observed (`check_health`) rather than crashing the replica.
+    """
+
+    # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
+    async def __init__(self, engine_config: EngineConfig, max_waiting_requests: int | None = None) -> None:  # type: ignore[misc]
+        from cluster.controller import EngineController
+
+        ctx = serve.get_replica_context()
+        # Named after the replica so operators (and tests) can find it in `ray list actors`.
+        name = f"EngineController:{ctx.app_name}:{ctx.replica_id.unique_id}"
+        self._controller = EngineController.options(name=name).remote(engine_config)  # type: ignore[attr-defined]
+        self._max_waiting = max_waiting_requests
+        self._num_waiting = 0  # requests accepted here that have not produced a delta yet
+        # Waiting here keeps the replica from reporting ready before the model is loaded.
+        self._info: dict[str, Any] = await self._controller.model_info.remote()
+        logger.info("model replica ready: %s", self._info)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """Relay the controller's deltas. Cancelling this stream (client gone) aborts the request."""
+        self._admit()
+        finished = False
+        waiting = True  # counted in self._num_waiting until its first delta arrives
+        try:
+            stream = self._controller.generate.options(num_returns="streaming").remote(
+                request_id, prompt_token_ids, params
+            )
+            async for ref in stream:
+                delta: RequestDelta = await ref
+                if waiting:
+                    waiting = False
+                    self._num_waiting -= 1
+                finished = delta.finished
+                yield delta
+        except ray.exceptions.RayActorError as e:
+            finished = True  # nothing left to abort
+            raise EngineDeadError(f"the engine controller died: {e}") from None
+        finally:
+            if waiting:
+                self._num_waiting -= 1
+            if not finished:
+                # Fire and forget: this task may be cancelled, and the abort must not wait on it.
+                self._controller.abort.remote(request_id)
+
+    def _admit(self) -> None:
+        """Refuse (503) once max_waiting_requests requests wait for their first token here.
+
+        Decision: "waiting" is counted in this replica (accepted, no output yet), not read from the
+        controller's queue: the check is then exact under concurrent arrivals and costs no round
+        trip; the two differ only by requests preempted back into the controller's queue.
+        """
+        if self._max_waiting is not None and self._num_waiting >= self._max_waiting:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {self._num_waiting} requests are waiting "
+                f"(max_waiting_requests={self._max_waiting}); retry later."
+            )
+        self._num_waiting += 1
+
+    async def model_info(self) -> dict[str, Any]:
+        return self._info
+
+    async def get_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self._controller.get_stats.remote()
+        return stats
+
+    async def health(self) -> None:
+        """Raises when the engine is dead (the ingress answers 503)."""
+        try:
+            await self._controller.check_health.remote()
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(f"the engine controller died: {e}") from None
+
+    async def check_health(self) -> None:
+        # Serve's health hook: raising marks this replica unhealthy, and Serve replaces it
+        # (and with it the controller and workers) with a fresh one.
+        await self.health()
+
+    async def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # already dead: nothing to release
+            await self._controller.shutdown.remote()
+
+
+# ----------------------------------------------------------------------------- HTTP ingress
+
+api = build_api()
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    model: str | None  # as in EngineConfig: the ingress loads the same tokenizer as the engine
+    revision: str | None = None
+    trust_remote_code: bool = False
+    served_model_name: str | None = None  # None: the model's own name
+    api_key: str | None = None  # None: RAYTP_API_KEY in the replica's environment, if set
+
+
+def _request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _respond(result: Any, request_id: str) -> Response:
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+    return json_response(result)
+
+
+async def _awaitable(response: Any) -> Any:
+    return await response
+
+
+@serve.ingress(api)
+class OpenAIIngress:
+    async def __init__(self, server: DeploymentHandle, settings: IngressSettings) -> None:  # type: ignore[misc]
+        source = resolve_model(settings.model, settings.revision)
+        tokenizer = load_tokenizer(source, settings.trust_remote_code)
+        self.server = server
+        info = await server.model_info.remote()  # waits for a model replica: ready means servable
+        self.ctx = ServingContext(
+            client=ServeEngineClient(server),
+            tokenizer=tokenizer,
+            model_name=settings.served_model_name or source.name,
+            max_model_len=int(info["max_model_len"]),
+            vocab_size=int(info["vocab_size"]),
+            max_token_chars=max_token_chars(tokenizer),
+        )
+        api.state.api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+        self._completions = CompletionHandler(self.ctx)
+        self._chat = ChatHandler(self.ctx)
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(_awaitable(self.server.health.remote()), _HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return OpenAIError(
+                "The engine did not answer in time.", 503, "server_error", code="engine_unavailable"
+            ).response()
+        except Exception as e:
+            err = to_openai_error(e)
+            if err.status < 500:  # whatever went wrong, the engine is not healthy
+                err = OpenAIError(err.message, 503, "server_error", code="engine_unavailable")
+            return err.response()
+        return Response(status_code=200)
+
+    @api.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        card = ModelCard(id=self.ctx.model_name, root=self.ctx.model_name, max_model_len=self.ctx.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Response:
+        request_id = _request_id("cmpl")
+        return _respond(await self._completions.create(body, request_id), request_id)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        request_id = _request_id("chatcmpl")
+        return _respond(await self._chat.create(body, request_id), request_id)
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+        self.ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("Send exactly one of prompt or messages.", "prompt")
+        if body.messages is not None:
+            ids = await self.ctx.chat_prompt_ids(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            ids = await self.ctx.encode(body.prompt, body.add_special_tokens)
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=self.ctx.max_model_len, tokens=ids))
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+        self.ctx.check_model(body.model)
+        if any(t >= self.ctx.vocab_size for t in body.tokens):
+            raise bad_request(f"tokens must be in [0, {self.ctx.vocab_size}) (the vocabulary size).", "tokens")
+        return json_response(DetokenizeResponse(prompt=await self.ctx.decode(body.tokens)))
+
+
+# ----------------------------------------------------------------------------- the application
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """`build_app`'s arguments: every EngineConfig field, plus the deployment's own."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None
+    num_replicas: int | None = None  # None with no autoscaling_config: 1
+    autoscaling_config: dict[str, Any] | None = None  # Serve's AutoscalingConfig, for the model replicas
+    ingress_replicas: int = 1
+    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS  # per replica, both deployments
+    max_waiting_requests: int | None = None  # 503 once a replica's waiting queue holds this many
+    api_key: str | None = None
+    health_check_period_s: float | None = None  # None: Serve's default
+
+    def __post_init__(self) -> None:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("num_replicas and autoscaling_config are exclusive: give one of them.")
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}.")
+        if self.ingress_replicas < 1:
+            raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be non-negative, got {self.max_waiting_requests}.")
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> "ServeArgs":
+        """Unknown keys are refused: a typo must not silently fall back to a default."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+        unknown = set(args) - own - _ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown serve arguments: {', '.join(sorted(unknown))}")
+        engine = EngineConfig(**{k: v for k, v in args.items() if k in _ENGINE_FIELDS})
+        return cls(engine=engine, **{k: v for k, v in args.items() if k in own})
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The Serve application; `import_path: serve_app:build_app` in a Serve config YAML.
+
+    args = {"model": None, "tensor_parallel_size": 1, ...any EngineConfig field...,
+            "num_replicas": 1 | "autoscaling_config": {...}, "api_key": ..., "max_waiting_requests": ...}
+    """
+    sa = ServeArgs.from_dict(dict(args or {}))
+    engine = sa.engine
+    server_options: dict[str, Any] = {
+        "name": "LLMServer",
+        "max_ongoing_requests": sa.max_ongoing_requests,
+        # The replica only relays; the compute is reserved by the controller and its workers.
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    if sa.autoscaling_config is not None:
+        server_options["autoscaling_config"] = sa.autoscaling_config
+    else:
+        server_options["num_replicas"] = sa.num_replicas if sa.num_replicas is not None else 1
+    if sa.health_check_period_s is not None:
+        server_options["health_check_period_s"] = sa.health_check_period_s
+    server = serve.deployment(**server_options)(LLMServer).bind(engine, sa.max_waiting_requests)
+    settings = IngressSettings(
+        model=engine.model,
+        revision=engine.revision,
+        trust_remote_code=engine.trust_remote_code,
+        served_model_name=sa.served_model_name,
+        # Read here too, so `RAYTP_API_KEY=... raytp serve` protects a cluster started earlier.
+        api_key=sa.api_key or os.environ.get(API_KEY_ENV) or None,
+    )
+    ingress = serve.deployment(
+        name="OpenAIIngress",
+        num_replicas=sa.ingress_replicas,
+        max_ongoing_requests=sa.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )(OpenAIIngress)
+    return ingress.bind(server, settings)
+
 
 app = build_app({})
-
-__all__ = ["app", "build_app"]

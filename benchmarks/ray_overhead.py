@@ -38,7 +38,7 @@ class Figures:
 
 
 def measure(llm: Any, batch: int, steps: int, seed: int) -> Figures:
-    from cluster import SamplingParams
+    from raytp import SamplingParams
 
     engine = llm.llm_engine
     rng = random.Random(seed)
@@ -113,7 +113,7 @@ def main() -> None:
 
     import ray
 
-    from cluster import LLM
+    from raytp import LLM
 
     model: str | None = args.model
     if args.model == "tiny":

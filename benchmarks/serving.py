@@ -166,7 +166,7 @@ def start_server(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
 
-    from cluster.serving.builder import build_app
+    from serve_app import build_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

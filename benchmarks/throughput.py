@@ -35,7 +35,7 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int],
 
 
 def run_raytp(llm: object, work: list[tuple[list[int], int]]) -> float:
-    from cluster import SamplingParams
+    from raytp import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
@@ -103,7 +103,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from cluster import LLM
+    from raytp import LLM
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = llm.llm_engine.model_config.vocab_size
@@ -121,7 +121,8 @@ def main() -> None:
     if args.skip_hf:
         return
 
-    from model_exec.weights import load_hf_reference_model, resolve_model
+    from model_exec.source import resolve_model
+    from tests.helpers.hf_reference import load_hf_reference_model
 
     model = load_hf_reference_model(resolve_model(args.model))
     hf_s = [run_hf(model, work, args.hf_batch_size, pad_id=0) for _ in range(args.repeats)]

@@ -7,11 +7,11 @@ Names and defaults follow vLLM's engine arguments where they overlap, so
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from ops.attention.names import ATTENTION_BACKENDS
-from scheduler.config import PreemptionMode
+from scheduler.config import PREEMPTION_MODES, PreemptionMode
 
 _GiB = 1 << 30
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
@@ -31,31 +31,42 @@ def default_kv_cache_bytes() -> int:
     return int(min(total // 4, 4 * _GiB))
 
 
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with the help text (and choices) its command-line flag shows."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF dir, .gguf file, or hub id; None = the embedded SmolLM2-135M-Instruct
-    revision: str | None = None
-    trust_remote_code: bool = False
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's half type (or bfloat16) on CUDA
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0  # seeds the engine's RNG, which draws a seed for every request that has none
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: PreemptionMode = "auto"
-    num_gpu_blocks_override: int | None = None  # force the device KV pool size (vLLM's name; any device)
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
-    kv_cache_memory_bytes: int | None = None  # CPU: KV pool size; None: default_kv_cache_bytes()
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: Literal["ray", "inprocess"] | None = (
-        None  # None: inprocess at TP=1, else ray
+    """Engine knobs. The CLI builds one flag per field (`raytp.cli.args`), help text from the metadata."""
+
+    model: str | None = _opt(None, "HF dir, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    revision: str | None = _opt(None, "hub revision of the model")
+    trust_remote_code: bool = _opt(False, "accepted for vLLM compatibility; raytp never runs model code")
+    dtype: str = _opt("auto", "auto: float32 on CPU, the checkpoint's half type on CUDA", _DTYPES)
+    device: str = _opt("auto", "auto: cuda when available, else cpu", ("auto", "cpu", "cuda"))
+    seed: int = _opt(0, "seed of the engine RNG, which draws a seed for every request that has none")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's)")
+    block_size: int = _opt(16, "tokens per KV block (a power of two)")
+    max_num_seqs: int = _opt(256, "sequences (batch rows) per step")
+    max_num_batched_tokens: int | None = _opt(
+        None, "tokens per step (default: 2048 with chunked prefill, else max_model_len)"
     )
-    placement_strategy: PlacementStrategy = "PACK"  # Ray placement group strategy for the TP workers
-    attention_backend: str = "auto"
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps")
+    preemption_mode: PreemptionMode = _opt("auto", "how to preempt when KV blocks run out", PREEMPTION_MODES)
+    num_gpu_blocks_override: int | None = _opt(None, "force the device KV pool size in blocks (any device)")
+    swap_space: float = _opt(4.0, "GiB of CPU memory for swapped-out KV blocks")
+    kv_cache_memory_bytes: int | None = _opt(None, "CPU KV cache budget in bytes (default: RAM/4, at most 4 GiB)")
+    gpu_memory_utilization: float = _opt(0.9, "CUDA: fraction of GPU memory the engine may use")
+    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (Ray worker actors) per model replica")
+    distributed_executor_backend: Literal["ray", "inprocess"] | None = _opt(
+        None, "default: inprocess at TP=1 offline, ray otherwise", ("ray", "inprocess")
+    )
+    placement_strategy: PlacementStrategy = _opt(
+        "PACK", "Ray placement group strategy for the TP workers", PLACEMENT_STRATEGIES
+    )
+    attention_backend: str = _opt("auto", "paged attention kernel", ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -73,9 +84,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}."
-            )
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -88,8 +97,7 @@ class EngineConfig:
             )
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
-                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; "
-                f"got {self.placement_strategy!r}."
+                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; got {self.placement_strategy!r}."
             )
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")

@@ -1,22 +1,23 @@
 """EngineController: one model replica's engine as an async Ray actor that streams per request.
 
-The actor owns the LLMEngine (scheduler, block manager, executor -> TP worker actors).
-Callers (the Serve ingress) open one stream per request:
+The actor owns the LLMEngine (scheduler, block manager, output processor, executor -> TP
+worker actors). Callers open one stream per request:
 
     gen = controller.generate.options(num_returns="streaming").remote(rid, ids, params)
 
-and receive `RequestDelta`s (cluster/protocol.py): token ids only, since callers own the
-tokenizer, detokenize, apply stop strings and `abort` when one hits.
+and receive the engine's `RequestDelta`s for that request (text already detokenized, stop strings
+already applied: the engine's one output road); the last has finished=True. Closing the stream
+early (the caller cancelled) aborts the request and frees its blocks.
 
-Threading invariant: every scheduler/block-manager change (add, abort, schedule, update,
-fail) happens on the actor's event loop thread; only `engine.execute` (the workers' forward
-pass) runs in the one step thread. So adds and aborts land between or during steps without
-locks, and the scheduler already tolerates a request aborted while its step is in flight.
-The step loop runs only while requests are in flight; the first new request restarts it.
+Threading invariant: every scheduler/block-manager change (add, abort, schedule, update, fail)
+happens on the actor's event loop thread; only `engine.execute` (the workers' forward pass) runs in
+the one step thread. So adds and aborts land between or during steps without locks, and the
+scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
+while requests are in flight; the first new request restarts it.
 
-Decision: unless the config says `distributed_executor_backend="inprocess"`, the controller
-runs even TP=1 through the Ray executor, so the model sits in a placed worker actor that
-holds the GPU/CPU bundle, and the controller actor itself needs no accelerator.
+Decision: unless the config says `distributed_executor_backend="inprocess"`, the controller runs
+even TP=1 through the Ray executor, so the model sits in a placed worker actor that holds the
+GPU/CPU bundle, and the controller itself needs no accelerator — and, importing no torch, little memory.
 """
 
 from __future__ import annotations
@@ -27,33 +28,18 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError, LLMEngine
-from cluster.protocol import RequestDelta, SeqDelta
+from cluster.outputs import RequestDelta
 from scheduler.sampling_params import SamplingParams
-from scheduler.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_CALLS = 4096  # each open stream holds one actor call slot for its lifetime
-
-
-@dataclass
-class _Stream:
-    """One caller's view of a request: what was already sent for each of its sequences."""
-
-    group: SequenceGroup
-    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
-    tokens_sent: dict[int, int] = field(default_factory=dict)  # seq_id -> output tokens already streamed
-    logprobs_sent: dict[int, int] = field(default_factory=dict)  # seq_id -> logprob entries already streamed
-    finish_sent: set[int] = field(default_factory=set)  # seq_ids whose finish_reason was streamed
-    started: bool = False  # the first delta (with the prompt) went out
-    done: bool = False  # the final delta is queued; nothing more is sent
 
 
 @ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS)  # type: ignore[call-overload]  # actor options untyped
@@ -64,54 +50,47 @@ class EngineController:
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
         # health threads, never on the event loop; so Ray's warning about blocking gets in async actors is noise.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-        self.engine = LLMEngine(config, detokenize=False)
+        self.engine = LLMEngine(config)
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-step")
-        self._streams: dict[str, _Stream] = {}
+        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}  # request id -> its stream's deltas
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
 
     # ------------------------------------------------------------------ requests
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestDelta]:
-        """Stream the request's deltas; the last has finished=True. Bad input raises ValueError here."""
-        stream = self._add(request_id, prompt_token_ids, params)
+        """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here."""
+        queue = self._add(request_id, prompt_token_ids, params)
+        finished = False
         try:
-            while True:
-                delta = await stream.queue.get()
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finished
                 yield delta
-                if delta.finished:
-                    return
         finally:
-            # Reached early only when the caller cancelled or closed the stream: free the request's blocks.
-            if not stream.done:
+            if not finished:  # the caller cancelled or closed the stream: free the request's blocks
                 self._abort(request_id)
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            self._queues.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> _Stream:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue[RequestDelta]:
         if self._closed:
             raise EngineDeadError("the controller is shut down")
-        if request_id in self._streams:
+        if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        group = self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
-        stream = _Stream(group)
-        self._streams[request_id] = stream
-        self._num_prompt_tokens += len(group.prompt_token_ids)
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
-        return stream
+        return queue
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._publish([stream.group])
+        self._publish(self.engine.collect_finished())
 
     # ------------------------------------------------------------------ step loop
     async def _step_loop(self) -> None:
@@ -130,63 +109,14 @@ class EngineController:
     def _on_engine_failure(self, error: BaseException) -> None:
         """Every request in flight ends with the error (its final delta says which rank failed)."""
         if self.engine.dead is None:
-            logger.error("engine step failed: %s", error)
             self.engine.fail(error)
-        self._publish([s.group for s in self._streams.values()])
+        self._publish(self.engine.collect_finished())
 
-    def _publish(self, groups: list[SequenceGroup]) -> None:
-        for group in groups:
-            stream = self._streams.get(group.request_id)
-            if stream is None or stream.done or stream.group is not group:
-                continue
-            delta = self._delta(stream)
-            if delta is not None:
-                stream.queue.put_nowait(delta)
-                stream.done = delta.finished
-
-    def _delta(self, stream: _Stream) -> RequestDelta | None:
-        """What changed since the last delta, built from scheduler state; None when nothing did."""
-        group = stream.group
-        want_logprobs = group.sampling_params.logprobs is not None
-        seqs: list[SeqDelta] = []
-        for seq in group.seqs:
-            sent = stream.tokens_sent.get(seq.seq_id, 0)
-            new_ids = seq.output_token_ids[sent:]
-            ends_now = seq.is_finished and seq.seq_id not in stream.finish_sent
-            if not new_ids and not ends_now:
-                continue
-            new_logprobs = None
-            if want_logprobs:
-                lp_sent = stream.logprobs_sent.get(seq.seq_id, 0)
-                new_logprobs = seq.output_logprobs[lp_sent:]
-                stream.logprobs_sent[seq.seq_id] = lp_sent + len(new_logprobs)
-            stream.tokens_sent[seq.seq_id] = sent + len(new_ids)
-            self._num_generation_tokens += len(new_ids)
-            if ends_now:
-                stream.finish_sent.add(seq.seq_id)
-            seqs.append(
-                SeqDelta(
-                    index=seq.sample_index,
-                    new_token_ids=new_ids,
-                    new_logprobs=new_logprobs,
-                    cumulative_logprob=seq.cumulative_logprob,
-                    finish_reason=seq.status.finish_reason if seq.is_finished else None,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        finished = group.is_finished
-        if not seqs and not finished:
-            return None
-        first = not stream.started
-        stream.started = True
-        return RequestDelta(
-            request_id=group.request_id,
-            seqs=seqs,
-            prompt_token_ids=list(group.prompt_token_ids) if first else None,
-            prompt_logprobs=list(group.prompt_logprobs) if first and group.prompt_logprobs is not None else None,
-            finished=finished,
-            error=group.error if finished else None,
-        )
+    def _publish(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
 
     # ------------------------------------------------------------------ health, stats, lifecycle
     async def check_health(self) -> None:
@@ -205,7 +135,7 @@ class EngineController:
         sched, bm = self.engine.scheduler, self.engine.block_manager
         queries = bm.prefix_cache_queries
         return {
-            "num_requests": len(self._streams),
+            "num_requests": len(self._queues),
             "num_waiting": len(sched.waiting),
             "num_running": len(sched.running),
             "num_swapped": len(sched.swapped),
@@ -220,8 +150,8 @@ class EngineController:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
-            "prompt_tokens_total": self._num_prompt_tokens,
-            "generation_tokens_total": self._num_generation_tokens,
+            "prompt_tokens_total": sched.num_prompt_tokens,
+            "generation_tokens_total": sched.num_generation_tokens,  # every token the engine sampled
             "healthy": self.engine.dead is None and not self._closed,
         }
 
@@ -242,8 +172,10 @@ class EngineController:
         if self._closed:
             return
         self._closed = True
-        for request_id, stream in list(self._streams.items()):
-            stream.group.error = "the engine controller shut down"
+        for request_id in list(self._queues):
+            group = self.engine.scheduler.get_group(request_id)
+            if group is not None:
+                group.error = "the engine controller shut down"
             self._abort(request_id)
         if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)  # ends: nothing left in flight

@@ -1,9 +1,13 @@
 """LLMEngine: the step loop — schedule, execute, update — and request admission.
 
-One engine per model replica. It owns the tokenizer, the scheduler with its block
-manager, and an executor that reaches the worker(s). Everything a user can get
-wrong is checked in `add_request` (before anything is allocated), so a bad request
-raises `ValueError` and the requests already in flight carry on untouched.
+One engine per model replica. It owns the tokenizer, the scheduler with its block manager,
+the output processor (the one road from tokens to `RequestDelta`s) and an executor that
+reaches the worker(s). Everything a user can get wrong is checked once, in `add_request`,
+before anything is allocated: a bad request raises `RequestError` naming the field and the
+requests already in flight carry on untouched.
+
+Torch-free: the engine resolves the model (config, tokenizer) without loading weights; only
+the workers, behind the executor, import torch.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from cluster.config import EngineConfig
-from cluster.executor import Executor, make_executor
+from cluster.executor import Executor
 from cluster.output_processor import OutputProcessor
-from cluster.outputs import RequestOutput
+from cluster.outputs import RequestDelta
 from kv import BlockManager
 from model_exec.config import ModelConfig
-from model_exec.weights import load_model_config, load_tokenizer, resolve_model
+from model_exec.source import load_tokenizer, read_model_config, resolve_model
 from scheduler.config import SchedulerConfig
+from scheduler.errors import RequestError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from scheduler.request_check import RequestLimits, check_request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceGroup, SequenceStatus
@@ -30,6 +36,8 @@ from scheduler.sequence import SequenceGroup, SequenceStatus
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CHUNKED_BUDGET = 2048
+
+PromptType = str | dict[str, Any] | list[int]
 
 
 class EngineDeadError(RuntimeError):
@@ -39,6 +47,17 @@ class EngineDeadError(RuntimeError):
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """Fill the knobs whose defaults depend on the model."""
     max_model_len = model_config.max_position_embeddings
+    window = model_config.sliding_window
+    if window is not None and window < max_model_len:
+        # Attention here is always full. Up to `window` tokens a sliding window changes nothing, so the
+        # context is capped there: outputs stay exact (never silently wrong past the window).
+        if config.max_model_len is not None and config.max_model_len > window:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) is larger than the model's sliding_window ({window}); "
+                f"raytp does not implement sliding-window attention, so contexts are limited to {window} tokens."
+            )
+        logger.warning("the model uses sliding-window attention (%d): max_model_len is capped to it", window)
+        max_model_len = window
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
             raise ValueError(
@@ -52,15 +71,25 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
 
 
+def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+    """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for."""
+    if config.executor_backend == "inprocess":
+        from cluster.executor import InProcessExecutor
+
+        return InProcessExecutor(config, model_config)
+    from cluster.ray_executor import RayExecutor
+
+    return RayExecutor(config, model_config)
+
+
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
         executor_factory: Callable[[EngineConfig, ModelConfig], Executor] = make_executor,
-        detokenize: bool = True,  # False: callers detokenize (the EngineController streams token ids)
     ) -> None:
         source = resolve_model(config.model, config.revision)
-        self.model_config = load_model_config(source, config.trust_remote_code)
+        self.model_config = read_model_config(source, config.trust_remote_code)
         self.model_config.check_tp(config.tensor_parallel_size)
         self.config = resolve_config(config, self.model_config)
         self.model_name = source.name
@@ -86,7 +115,13 @@ class LLMEngine:
             self.block_manager,
             self.model_config.eos_token_ids,
         )
-        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
+        self.limits = RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_prompt_tokens=self.block_manager.max_allocatable_tokens,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
         logger.info(
@@ -109,72 +144,64 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | dict[str, Any] | list[int],
+        prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> SequenceGroup:
-        """Validate and queue a request. Raises ValueError (naming the field) on bad input."""
+        """Check and queue a request. Raises RequestError (naming the field) on bad input, EngineDeadError
+        once a worker failed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+            raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self._prompt_tokens(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty.")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab}) (the vocabulary size).")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens long, longer than max_model_len ({self.max_model_len}) "
-                f"allows (the prompt plus at least one generated token must fit)."
-            )
-        bad = [t for t in (*params.stop_token_ids, *(params.logit_bias or {})) if not 0 <= t < vocab]
-        if bad:
-            field = "stop_token_ids" if bad[0] in params.stop_token_ids else "logit_bias"
-            raise ValueError(f"{field} contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
+        check_request(token_ids, params, self.limits)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return self.scheduler.add_request(request_id, text, token_ids, params, seed, arrival_time)
+        group = self.scheduler.add_request(request_id, text, token_ids, params, seed, arrival_time)
+        self.output_processor.add_request(group)
+        return group
 
-    def _prompt_tokens(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+    def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                    raise ValueError("prompt_token_ids must be a list of integers.")
+                    raise RequestError("prompt_token_ids must be a list of integers.", "prompt")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self.tokenize(prompt["prompt"])
-            raise ValueError("prompt dicts need a 'prompt' string or a 'prompt_token_ids' list.")
+            raise RequestError("prompt dicts need a 'prompt' string or a 'prompt_token_ids' list.", "prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(
-            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        raise RequestError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.", "prompt"
         )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """End requests wherever they are and free their blocks; their final deltas come from
+        `collect_finished` (or the next `step`). Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             self.scheduler.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.output_processor.num_requests > 0
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished_requests
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule, execute, update. Returns outputs of requests that changed."""
+    def step(self) -> list[RequestDelta]:
+        """One engine iteration: schedule, execute, update. Returns the deltas of requests that changed."""
         so = self.schedule()
         try:
             result = self.execute(so)
         except Exception as e:
-            self.fail(e)
+            self.fail(e)  # every request in flight ends with the error; the caller sees it raised
             raise
-        return [self.output_processor.make_output(g) for g in self.update(so, result)]
+        return self.update(so, result)
 
     # The phases are public so an async caller (the EngineController) can run `execute` in a thread
     # while its event loop adds and aborts requests: `execute` touches only the executor, never the
@@ -188,16 +215,21 @@ class LLMEngine:
             return ModelRunnerOutput()
         return self.executor.execute_model(so)
 
-    def update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
-        """Apply a step's result; returns the requests that changed (new tokens, or finished for any reason)."""
+    def update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
+        """Apply a step's result: new tokens -> deltas. A stop string ends its sequence here, at once."""
         groups = self.scheduler.update(so, result)
-        self.output_processor.process(groups, self.scheduler)
-        seen = {g.request_id for g in groups}
-        groups += [g for g in self.scheduler.take_finished() if g.request_id not in seen]
-        return groups
+        deltas, stopped = self.output_processor.process(groups)
+        for seq, stop in stopped:
+            self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
+        return deltas + self.collect_finished()
+
+    def collect_finished(self) -> list[RequestDelta]:
+        """Final deltas of requests that ended outside a step's tokens (aborted, refused, failed)."""
+        return self.output_processor.process(self.scheduler.take_finished())[0]
 
     def fail(self, error: BaseException) -> None:
         """A worker failed: every request in flight ends with the error; the engine refuses new work."""
+        logger.error("engine step failed: %s", error)
         self.dead = error
         for group in list(self.scheduler.waiting + self.scheduler.running + self.scheduler.swapped):
             group.error = f"engine failure: {error}"

@@ -1,8 +1,8 @@
-"""Executors: how the controller reaches its workers.
+"""Executors: how the engine reaches its workers.
 
-`InProcessExecutor` holds one `Worker` in the controller's own process (TP=1, the
-default). The Ray executor (one worker actor per TP rank in a placement group) lives
-in `cluster/ray_executor.py` and implements the same interface.
+`InProcessExecutor` holds one `Worker` in the engine's own process (TP=1, the offline default).
+`cluster.ray_executor.RayExecutor` runs one worker actor per TP rank in a placement group and
+implements the same interface; `cluster.engine.make_executor` picks one.
 """
 
 from __future__ import annotations
@@ -52,15 +52,3 @@ class InProcessExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
-
-
-def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
-    if config.executor_backend == "inprocess":
-        return InProcessExecutor(config, model_config)
-    try:
-        from cluster.ray_executor import RayExecutor  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as e:  # pragma: no cover - until the Ray executor lands
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} needs the Ray executor, which is not available: {e}"
-        ) from e
-    return RayExecutor(config, model_config)  # type: ignore[no-any-return, unused-ignore]

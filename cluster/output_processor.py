@@ -1,46 +1,43 @@
-"""Detokenization, stop strings and RequestOutput assembly.
+"""The one road from a step's results to what users see: `RequestDelta`s.
 
-This runs where the tokenizer lives (the engine for the offline API, the Serve ingress
-for HTTP), after the scheduler has appended a step's tokens. Text is decoded
-incrementally: each step decodes only a short window of ids around the new tokens, so
-the cost per step does not grow with the output length.
+After the scheduler has appended a step's tokens (and decided the token-level stops: EOS,
+stop_token_ids, max_tokens, max_model_len), the engine hands the changed requests here. For each
+live sample this module, and only this module:
+
+- detokenizes the new tokens incrementally (`cluster.detokenizer`),
+- looks for stop strings token by token (`find_stop_string`), trims the text at one
+  (`trim_at_stop`) and drops any tokens after the one that completed it,
+- holds back text that could still turn into a stop string (`held_back_len`),
+- converts logprobs (decoded token text included),
+- reports finish reasons, and for `best_of > n` picks the n best samples (`select_best_of`)
+  once all are done, sending nothing for such a request before that.
+
+It never touches the scheduler: a sample ended by a stop string is returned to the engine,
+which finishes it there at once (freeing its blocks). What was already handled is tracked once
+per sample (`_Sample.num_tokens`, the output tokens consumed); a request's state is dropped with
+its final delta.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
-from cluster.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from cluster.detokenizer import DetokState, IncrementalDetokenizer
+from cluster.outputs import Logprob, PositionLogprobs, PromptInfo, RequestDelta, RequestMetrics, SampleDelta
 from scheduler.outputs import TokenLogprobs
-from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from scheduler.scheduler import Scheduler
-
-_PROMPT_CONTEXT = 6  # prompt tokens decoded with the first output tokens, so leading spaces come out right
-
-
-@dataclass
-class _DetokState:
-    ids: list[int]  # a window of prompt context + all output ids
-    prefix_offset: int  # ids[prefix_offset:read_offset] is already reflected in text
-    read_offset: int
-    text: str = ""
-    num_output_seen: int = 0
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence, SequenceGroup
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], num_searched: int) -> tuple[int, str] | None:
     """The earliest stop string in `text` as (index, stop), or None.
 
-    `text[:num_searched]` was searched before (and held no stop string), so only matches that
-    end after it are possible: the search starts `len(longest stop) - 1` characters before it.
-    Shared by the offline OutputProcessor and the Serve ingress.
+    `text[:num_searched]` was searched before (and held no stop string), so only matches that end
+    after it are possible: the search starts `len(longest stop) - 1` characters before it.
     """
-    if not stops:
-        return None
     search_from = max(0, num_searched - max(len(s) for s in stops) + 1)
     best: tuple[int, str] | None = None
     for stop in stops:
@@ -50,138 +47,216 @@ def find_stop_string(text: str, stops: tuple[str, ...], num_searched: int) -> tu
     return best
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
+def trim_at_stop(text: str, idx: int, stop: str, include_stop_str_in_output: bool) -> str:
+    """The text a stop string at `idx` leaves: up to it, or up to its end when it is to be included."""
+    return text[: idx + len(stop)] if include_stop_str_in_output else text[:idx]
 
-    def start(self, prompt_token_ids: list[int]) -> _DetokState:
-        context = prompt_token_ids[-_PROMPT_CONTEXT:]
-        return _DetokState(ids=list(context), prefix_offset=0, read_offset=len(context))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+def held_back_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string: text that
+    must not be released yet, because the next token may complete a stop string out of it."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
 
-    def feed(self, state: _DetokState, new_ids: list[int], skip_special_tokens: bool) -> str:
-        """Append ids, return the newly readable text (possibly "" while a multi-byte char is incomplete)."""
-        state.ids.extend(new_ids)
-        prefix_text = self.decode(state.ids[state.prefix_offset : state.read_offset], skip_special_tokens)
-        full_text = self.decode(state.ids[state.prefix_offset :], skip_special_tokens)
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text) :]
-            state.prefix_offset = state.read_offset
-            state.read_offset = len(state.ids)
-            state.text += delta
-            return delta
-        return ""
+
+@dataclass
+class _Sample:
+    """One sequence as the user sees it."""
+
+    seq: Sequence
+    detok: DetokState
+    num_tokens: int = 0  # output tokens of `seq` consumed here (the only "already handled" count)
+    pending: str = ""  # decoded text not released yet (it may still become a stop string)
+    tail: str = ""  # the last (longest stop - 1) released characters: a stop string may begin there
+    finish_reason: str | None = None  # decided (here or by the scheduler); the final SampleDelta went out
+    stop_reason: int | str | None = None
+    held: list[SampleDelta] = field(default_factory=list)  # best_of > n: deltas kept until the choice is made
+
+
+@dataclass
+class _Request:
+    group: SequenceGroup
+    samples: dict[int, _Sample] = field(default_factory=dict)  # seq_id -> sample
+    prompt_sent: bool = False
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.sampling_params
+
+    @property
+    def holds(self) -> bool:
+        """best_of > n: nothing is sent until every sample finished and the best n are chosen."""
+        return self.params.actual_best_of > self.params.n
+
+
+def select_best_of(samples: list[_Sample], n: int) -> list[_Sample]:
+    """The n samples with the highest cumulative logprob (vLLM's ranking for best_of), best first."""
+    return sorted(samples, key=lambda s: s.seq.cumulative_logprob, reverse=True)[:n]
 
 
 class OutputProcessor:
-    """Turns scheduler state into RequestOutputs; finishes sequences that hit a stop string."""
+    def __init__(self, tokenizer: Any) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self._requests: dict[str, _Request] = {}
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self._states: dict[int, _DetokState] = {}
+    def add_request(self, group: SequenceGroup) -> None:
+        self._requests[group.request_id] = _Request(group)
 
-    def process(self, groups: list[SequenceGroup], scheduler: Scheduler) -> None:
-        """Detokenize the new tokens of every live sequence and apply stop strings."""
-        if self.detok is None:
-            return
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def process(self, groups: Iterable[SequenceGroup]) -> tuple[list[RequestDelta], list[tuple[Sequence, str]]]:
+        """Deltas for the requests among `groups` that changed, and the sequences a stop string ended
+        (the caller finishes those in the scheduler). A request's final delta is produced once."""
+        deltas: list[RequestDelta] = []
+        stopped: list[tuple[Sequence, str]] = []
         for group in groups:
-            params = group.sampling_params
-            for seq in group.seqs:
-                state = self._state(seq)
-                new_ids = seq.output_token_ids[state.num_output_seen :]
-                if not new_ids:
-                    continue
-                state.num_output_seen = len(seq.output_token_ids)
-                before = len(state.text)
-                self.detok.feed(state, new_ids, params.skip_special_tokens)
-                # A sequence ended by a stop token still gets its text checked: the string may have
-                # completed on an earlier token of this step's text.
-                if (
-                    params.stop
-                    and seq.stop_reason is None
-                    and seq.status is not SequenceStatus.FINISHED_ABORTED
-                ):
-                    self._check_stop_strings(seq, state, before, group, scheduler)
+            req = self._requests.get(group.request_id)
+            if req is None or req.group is not group:  # already finished here (or never added)
+                continue
+            delta = self._process_request(req, stopped)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas, stopped
 
-    def _check_stop_strings(
-        self, seq: Sequence, state: _DetokState, before: int, group: SequenceGroup, scheduler: Scheduler
-    ) -> None:
-        params = group.sampling_params
-        if len(seq.output_token_ids) < params.min_tokens:
-            return
-        best = find_stop_string(state.text, params.stop, before)
-        if best is None:
-            return
-        idx, stop = best
-        state.text = state.text[: idx + len(stop)] if params.include_stop_str_in_output else state.text[:idx]
-        if seq.is_finished:  # finished by length on the same token: the stop string wins, as in vLLM
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = stop
-        else:
-            scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
-
-    def _state(self, seq: Sequence) -> _DetokState:
-        state = self._states.get(seq.seq_id)
-        if state is None:
-            assert self.detok is not None
-            state = self.detok.start(seq.prompt_token_ids)
-            self._states[seq.seq_id] = state
-        return state
-
-    def text_of(self, seq: Sequence) -> str:
-        state = self._states.get(seq.seq_id)
-        return state.text if state is not None else ""
-
-    def make_output(self, group: SequenceGroup) -> RequestOutput:
-        params = group.sampling_params
-        seqs = list(group.seqs)
-        if group.is_finished and len(seqs) > params.n:
-            # best_of > n: return the n most likely samples (vLLM ranks by cumulative logprob).
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        else:
-            seqs = seqs[: params.n]
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=self.text_of(seq),
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=[self._convert(e) for e in seq.output_logprobs]
-                if params.logprobs is not None
-                else None,
-                finish_reason=seq.status.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for i, seq in enumerate(seqs)
-        ]
-        prompt_logprobs = None
-        if group.prompt_logprobs is not None:
-            prompt_logprobs = [None if e is None else self._convert(e) for e in group.prompt_logprobs]
-        finished = group.is_finished
+    def _process_request(self, req: _Request, stopped: list[tuple[Sequence, str]]) -> RequestDelta | None:
+        group = req.group
+        changed: list[SampleDelta] = []
+        for seq in group.seqs:
+            sample = req.samples.get(seq.seq_id)
+            if sample is None:
+                sample = req.samples[seq.seq_id] = self._new_sample(req, seq)
+            delta = self._process_sample(req, sample, stopped)
+            if delta is not None:
+                changed.append(delta)
+        finished = all(s.finish_reason is not None for s in req.samples.values())
+        if req.holds:
+            by_index = {s.seq.sample_index: s for s in req.samples.values()}
+            for d in changed:
+                by_index[d.index].held.append(d)
+            if not finished:
+                return None
+            chosen = select_best_of(list(req.samples.values()), req.params.n)
+            changed = [_merge(s.held, i) for i, s in enumerate(chosen)]
+        if not changed and not finished:
+            return None
+        out = RequestDelta(request_id=group.request_id, samples=changed, finished=finished)
+        if not req.prompt_sent:
+            req.prompt_sent = True
+            out.prompt = self._prompt_info(group)
         if finished:
-            for seq in group.seqs:
-                self._states.pop(seq.seq_id, None)
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            metrics=RequestMetrics(
+            out.metrics = RequestMetrics(
                 arrival_time=group.arrival_time,
                 first_scheduled_time=group.first_scheduled_time,
                 first_token_time=group.first_token_time,
-                finished_time=group.finished_time,
-            ),
-            error=group.error,
+                # A stop string decided here ends the request before the scheduler retires it.
+                finished_time=group.finished_time if group.finished_time is not None else time.monotonic(),
+            )
+            out.error = group.error
+            del self._requests[group.request_id]
+        return out
+
+    def _new_sample(self, req: _Request, seq: Sequence) -> _Sample:
+        params = req.params
+        state = self.detok.start(seq.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+        return _Sample(seq=seq, detok=state)
+
+    def _process_sample(self, req: _Request, s: _Sample, stopped: list[tuple[Sequence, str]]) -> SampleDelta | None:
+        """Consume the sample's new tokens; its delta, or None when nothing is new."""
+        if s.finish_reason is not None:
+            return None  # its final delta went out; tokens the scheduler still appended are dropped
+        seq, params = s.seq, req.params
+        start = s.num_tokens
+        new_ids = seq.output_token_ids[start:]
+        s.num_tokens = len(seq.output_token_ids)
+        taken = len(new_ids)
+        stop = None
+        for i, tok in enumerate(new_ids):
+            searched = len(s.tail) + len(s.pending)
+            s.pending += self.detok.step(s.detok, tok)
+            if params.stop and start + i + 1 >= params.min_tokens:
+                stop = self._check_stop_strings(s, params, searched)
+                if stop is not None:
+                    taken = i + 1  # tokens after the one completing the stop string are not part of the output
+                    break
+        if stop is not None:
+            s.finish_reason, s.stop_reason = "stop", stop
+            if not seq.is_finished:
+                stopped.append((seq, stop))
+        elif seq.is_finished:
+            s.finish_reason, s.stop_reason = seq.status.finish_reason, seq.stop_reason
+        text = self._release(s, params)
+        if not taken and not text and s.finish_reason is None:
+            return None
+        want = params.logprobs is not None
+        return SampleDelta(
+            index=seq.sample_index,
+            text=text,
+            token_ids=new_ids[:taken],
+            logprobs=[self._convert(e) for e in seq.output_logprobs[start : start + taken]] if want else None,
+            cumulative_logprob=seq.cumulative_logprob if want else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+
+    @staticmethod
+    def _check_stop_strings(s: _Sample, params: SamplingParams, searched: int) -> str | None:
+        """The stop string the latest token completed (trimming `s.pending` at it), or None."""
+        window = s.tail + s.pending
+        hit = find_stop_string(window, params.stop, searched)
+        if hit is None:
+            return None
+        idx, stop = hit
+        kept = trim_at_stop(window, idx, stop, params.include_stop_str_in_output)
+        s.pending = kept[len(s.tail) :]  # released text is never taken back
+        return stop
+
+    @staticmethod
+    def _release(s: _Sample, params: SamplingParams) -> str:
+        """The pending text that can go out now."""
+        if s.finish_reason is not None or not params.stop:
+            text, s.pending = s.pending, ""
+            return text
+        hold = 0 if params.include_stop_str_in_output else held_back_len(s.tail + s.pending, params.stop)
+        hold = min(hold, len(s.pending))
+        text = s.pending[: len(s.pending) - hold]
+        s.pending = s.pending[len(s.pending) - hold :]
+        keep = max(len(stop) for stop in params.stop) - 1
+        s.tail = (s.tail + text)[-keep:] if keep else ""
+        return text
+
+    def _prompt_info(self, group: SequenceGroup) -> PromptInfo:
+        logprobs = None
+        if group.prompt_logprobs is not None:
+            logprobs = [None if e is None else self._convert(e) for e in group.prompt_logprobs]
+        return PromptInfo(
+            prompt=group.prompt,
+            token_ids=group.prompt_token_ids,
+            logprobs=logprobs,
+            num_cached_tokens=group.num_cached_tokens,
         )
 
     def _convert(self, entry: TokenLogprobs) -> PositionLogprobs:
-        detok = self.detok
-        return {
-            tok: Logprob(logprob=lp, rank=rank, decoded_token=detok.decode([tok], False) if detok else None)
-            for tok, (lp, rank) in entry.items()
-        }
+        decode = self.detok.decode_token
+        return {tok: Logprob(logprob=lp, rank=rank, decoded_token=decode(tok)) for tok, (lp, rank) in entry.items()}
+
+
+def _merge(deltas: list[SampleDelta], index: int) -> SampleDelta:
+    """A held sample's deltas as one, renumbered to its place among the chosen."""
+    last = deltas[-1]
+    logprobs = None if last.logprobs is None else [e for d in deltas for e in (d.logprobs or [])]
+    return SampleDelta(
+        index=index,
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=logprobs,
+        cumulative_logprob=last.cumulative_logprob,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+    )

@@ -1,6 +1,7 @@
 """RayExecutor: one Ray actor per tensor-parallel rank, placed by a placement group.
 
-Each actor wraps the same `cluster.worker.Worker` the in-process executor uses. Start-up:
+Each actor is the same `cluster.worker.Worker` class the in-process executor uses, made an actor
+with `ray.remote`: the rank protocol is written once, there. Start-up:
 reserve the bundles (clear error and nothing left behind when the cluster cannot hold
 them) -> start the actors -> rendezvous on rank 0's node IP and a port that rank 0 found
 free on its own node -> every rank loads its shard (gloo on CPU, NCCL on CUDA) -> each
@@ -23,25 +24,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import pickle
-import socket
 import threading
 import weakref
-from dataclasses import dataclass
+from collections import Counter
 from typing import Any
 
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig, default_kv_cache_bytes
+from cluster.config import EngineConfig
 from cluster.executor import Executor
 from cluster.placement import create_placement_group, new_group_name, worker_bundle
 from cluster.ray_utils import ensure_ray, env_float
-from cluster.worker import Worker
+from cluster.worker import NodeInfo, Worker
 from model_exec.config import ModelConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -59,56 +57,6 @@ class RankFailedError(RuntimeError):
         self.rank = rank  # None when no single rank can be blamed (every rank stalled)
 
 
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    ip: str
-    free_port: int  # bound and released just now on this node: rank 0's offer for the rendezvous
-    default_kv_bytes: int  # this node's default CPU KV budget, to share among the ranks placed on it
-    pid: int  # the rank's process, named in failure messages
-
-
-class RayWorker:
-    """The actor body of one rank: a thin shell over `Worker`, one explicit method per protocol step."""
-
-    def __init__(self, num_threads: int) -> None:
-        torch.set_num_threads(num_threads)  # the bundle's CPU share (whole CPUs, at least one)
-        self.worker: Worker | None = None
-
-    def node_info(self) -> NodeInfo:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        ctx = ray.get_runtime_context()
-        return NodeInfo(ctx.get_node_id(), ray.util.get_node_ip_address(), port, default_kv_cache_bytes(), os.getpid())
-
-    def init_worker(
-        self, config: EngineConfig, model_config: ModelConfig, rank: int, world_size: int, init_method: str
-    ) -> None:
-        self.worker = Worker(config, model_config, rank, world_size, init_method)
-
-    def load_model(self) -> None:
-        self._w().load_model()
-
-    def determine_num_blocks(self) -> tuple[int, int]:
-        return self._w().determine_num_blocks()
-
-    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        self._w().init_cache(num_device_blocks, num_cpu_blocks)
-
-    def execute_model(self, payload: bytes) -> ModelRunnerOutput | None:
-        so: SchedulerOutput = pickle.loads(payload)  # sent by our own controller, inside the cluster
-        return self._w().execute_model(so)
-
-    @ray.method(concurrency_group="control")
-    def ping(self) -> None:
-        """Answers even while a step runs (its own thread), so health checks never queue behind a step."""
-
-    def _w(self) -> Worker:
-        assert self.worker is not None, "init_worker first"
-        return self.worker
-
-
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         ensure_ray()
@@ -118,6 +66,7 @@ class RayExecutor(Executor):
         use_gpu = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         self.workers: list[Any] = []  # actor handles, index = rank
         self.nodes: list[NodeInfo] = []
+        self._kv_bytes: list[int | None] = [None] * self.world_size  # CPU KV budget per rank; None: its own
         self.last_step_bytes = 0  # pickled SchedulerOutput size of the latest step (what each rank receives)
         self._error: RankFailedError | None = None
         self._lock = threading.Lock()
@@ -138,7 +87,8 @@ class RayExecutor(Executor):
             raise
 
     def _start(self, config: EngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
-        actor_cls = ray.remote(concurrency_groups={"control": 1})(RayWorker)  # type: ignore[call-overload]
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(Worker)  # type: ignore[call-overload]
+        rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
         for rank in range(self.world_size):
             self.workers.append(
                 actor_cls.options(
@@ -149,7 +99,7 @@ class RayExecutor(Executor):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),
-                ).remote(max(1, int(cpus)))
+                ).remote(rank_config, model_config, rank, self.world_size, max(1, int(cpus)))
             )
         load_timeout = env_float("RAYTP_LOAD_TIMEOUT_S", 1800.0)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], load_timeout, "start")
@@ -157,20 +107,11 @@ class RayExecutor(Executor):
         init_method = (
             f"tcp://[{host}]:{self.nodes[0].free_port}" if ":" in host else f"tcp://{host}:{self.nodes[0].free_port}"
         )
-        per_node: dict[str, int] = {}
-        for n in self.nodes:
-            per_node[n.node_id] = per_node.get(n.node_id, 0) + 1
-        refs = []
-        for rank, (w, node) in enumerate(zip(self.workers, self.nodes, strict=True)):
-            rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
-            if not use_gpu and config.kv_cache_memory_bytes is None:
-                # Ranks on one node share its RAM: together they get what one in-process worker would.
-                rank_config = dataclasses.replace(
-                    rank_config, kv_cache_memory_bytes=max(1, node.default_kv_bytes // per_node[node.node_id])
-                )
-            refs.append(w.init_worker.remote(rank_config, model_config, rank, self.world_size, init_method))
-        self._gather(refs, load_timeout, "start")
-        self._gather([w.load_model.remote() for w in self.workers], load_timeout, "model load")
+        self._gather([w.load_model.remote(init_method) for w in self.workers], load_timeout, "model load")
+        if not use_gpu and config.kv_cache_memory_bytes is None:
+            # Ranks on one node share its RAM: together they get what one in-process worker would.
+            per_node = Counter(n.node_id for n in self.nodes)
+            self._kv_bytes = [max(1, n.default_kv_bytes // per_node[n.node_id]) for n in self.nodes]
         logger.info(
             "ray executor: %d ranks on nodes %s, rendezvous %s",
             self.world_size,
@@ -180,9 +121,8 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------------ protocol
     def determine_num_blocks(self) -> tuple[int, int]:
-        answers = self._gather(
-            [w.determine_num_blocks.remote() for w in self.workers], self.step_timeout_s, "KV sizing"
-        )
+        refs = [w.determine_num_blocks.remote(kv) for w, kv in zip(self.workers, self._kv_bytes, strict=True)]
+        answers = self._gather(refs, self.step_timeout_s, "KV sizing")
         return min(a[0] for a in answers), min(a[1] for a in answers)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:

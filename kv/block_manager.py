@@ -72,20 +72,22 @@ class BlockManager:
 
     # --- admission ---
 
-    def can_allocate(self, token_ids: Sequence[int]) -> AllocStatus:
+    def can_allocate(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> AllocStatus:
         needed = self._blocks_for(len(token_ids))
-        _, hits = self._match_prefix(token_ids)
+        _, hits = self._match_prefix(token_ids, use_prefix_cache)
         return self._admission(needed, self._cost_of(needed, hits))
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
         """Give `seq_id` blocks for all of `token_ids`; returns how many leading tokens are already computed
-        (whole cached blocks, never the block of the last token: see `match_prefix`)."""
+        (whole cached blocks, never the block of the last token: see `match_prefix`). With
+        `use_prefix_cache=False` nothing is reused (every token is computed), but the blocks still enter
+        the cache once computed."""
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id} already has blocks")
         if not token_ids:
             raise ValueError("cannot allocate an empty sequence")
         needed = self._blocks_for(len(token_ids))
-        hashes, hits = self._match_prefix(token_ids)
+        hashes, hits = self._match_prefix(token_ids, use_prefix_cache)
         if self._cost_of(needed, hits) > self._device.num_free:
             raise NoFreeBlocksError(f"seq {seq_id} needs {needed} blocks; check can_allocate first")
         for block in hits:  # revive hits before allocating, so allocation cannot evict them
@@ -93,7 +95,7 @@ class BlockManager:
         table = hits + [self._device.allocate() for _ in range(needed - len(hits))]
         self._seqs[seq_id] = _SeqBlocks(table, hashes=hashes, num_registered=len(hits))
         num_computed = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed
         return num_computed
@@ -111,9 +113,7 @@ class BlockManager:
             needed += len(cow) + new
         return needed <= self._device.num_free
 
-    def append_slots(
-        self, seq_id: int, num_total_tokens: int, num_computed_tokens: int
-    ) -> list[tuple[int, int]]:
+    def append_slots(self, seq_id: int, num_total_tokens: int, num_computed_tokens: int) -> list[tuple[int, int]]:
         """Cover `num_total_tokens` slots; positions [num_computed_tokens, num_total_tokens) get written.
 
         Every shared block in that range is replaced by a fresh one (copy-on-write); the returned (src, dst)
@@ -208,6 +208,11 @@ class BlockManager:
         return self._device.num_blocks
 
     @property
+    def max_allocatable_tokens(self) -> int:
+        """The longest token list `can_allocate` does not answer NEVER: the pool less the watermark."""
+        return (self._device.num_blocks - self.watermark_blocks) * self.block_size
+
+    @property
     def num_cpu_blocks(self) -> int:
         return self._cpu.num_blocks
 
@@ -252,9 +257,12 @@ class BlockManager:
             raise ValueError(f"seq {seq_id} is swapped out")
         return seq
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[BlockHash], list[int]]:
+    def _match_prefix(self, token_ids: Sequence[int], use_cache: bool) -> tuple[list[BlockHash], list[int]]:
+        """(keys of the full blocks, cached blocks holding the leading ones); no hits when not `use_cache`."""
         if not self.enable_prefix_caching:
             return [], []
+        if not use_cache:
+            return match_prefix(token_ids, self.block_size, lambda _key: None)
         return match_prefix(token_ids, self.block_size, self._device.lookup)
 
     def _admission(self, needed: int, cost: int) -> AllocStatus:
@@ -297,9 +305,7 @@ class BlockManager:
             refs.update(seq.table)
         return refs
 
-    def _move(
-        self, seq_ids: Sequence[int], src: BlockPool, dst: BlockPool, to_cpu: bool
-    ) -> list[tuple[int, int]]:
+    def _move(self, seq_ids: Sequence[int], src: BlockPool, dst: BlockPool, to_cpu: bool) -> list[tuple[int, int]]:
         """Swap a group to the other memory; a block shared within the group moves once and stays shared."""
         refs = self._distinct_blocks(seq_ids, on_cpu=not to_cpu)
         if len(refs) > dst.num_free:

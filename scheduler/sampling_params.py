@@ -1,25 +1,40 @@
 """SamplingParams: what a request asks of the sampler and of the stop checker.
 
 Mirrors vLLM's `SamplingParams` field names and defaults so users can switch.
-Validation happens in `__post_init__`; every error is a `ValueError` whose message
-starts with the offending field's name, because the HTTP layer turns it into a 400
-with `param` set to that field.
+Validation happens in `__post_init__`: every value must be finite and in range, integers must
+fit the engine's int64 tensors, and every failure is a `RequestError` naming the field (`param`),
+which the HTTP layer answers with a 400 by type. Checks that need the model (vocabulary size,
+max_model_len, max_num_seqs) live in `scheduler.request_check`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any
+
+from scheduler.errors import RequestError
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT32_MAX = (1 << 31) - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias| values
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite_in(name: str, x: float, lo: float, hi: float, what: str) -> None:
+    if not (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi):
+        raise RequestError(f"{name} must be {what}, got {x!r}.", name)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions returned
     best_of: int | None = None  # completions generated (the n best by cumulative logprob are returned)
-    presence_penalty: float = (
-        0.0  # OpenAI semantics: subtract once if the token already appeared in the output
-    )
+    presence_penalty: float = 0.0  # OpenAI semantics: subtract once if the token already appeared in the output
     frequency_penalty: float = 0.0  # subtract per occurrence in the output
     repetition_penalty: float = 1.0  # HF/CTRL semantics over prompt + output tokens; 1.0 is off
     temperature: float = 1.0  # 0 means greedy
@@ -37,8 +52,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (from the second token on)
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     skip_special_tokens: bool = True
+    # With skip_special_tokens=False: False joins adjacent special tokens without the spaces some
+    # decoders put between them (vLLM's meaning for fast tokenizers); True keeps the decoder's text.
     spaces_between_special_tokens: bool = True
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # free-form, carried untouched
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the dataclass stays hashable-ish and immutable.
@@ -54,47 +70,49 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
-            raise ValueError(
-                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
+        if not _is_int(self.n) or not 1 <= self.n <= _INT32_MAX:
+            raise RequestError(f"n must be a positive integer, got {self.n!r}.", "n")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= _INT32_MAX):
+            raise RequestError(
+                f"best_of must be an integer greater than or equal to n, got n={self.n} and best_of={self.best_of!r}.",
+                "best_of",
             )
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        _finite_in("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
+        _finite_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
+        _finite_in("repetition_penalty", self.repetition_penalty, 1e-6, 1e6, "a finite number greater than zero")
+        _finite_in("temperature", self.temperature, 0.0, 1e6, "a finite non-negative number")
+        _finite_in("top_p", self.top_p, 1e-12, 1.0, "in (0, 1]")
+        _finite_in("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
+            raise RequestError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}.", "top_k")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT32_MAX):
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.", "max_tokens")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= _INT32_MAX:
+            raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            raise RequestError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+                "min_tokens",
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
-        if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= _INT32_MAX):
+                raise RequestError(f"{name} must be a non-negative integer, got {value!r}.", name)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop must hold non-empty strings only.", "stop")
+        if any(not _is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers.", "stop_token_ids")
+        if self.seed is not None and (not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            raise RequestError(f"seed must be an integer in the int64 range, got {self.seed!r}.", "seed")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not _is_int(tok) or not 0 <= tok <= _INT64_MAX:
+                raise RequestError(f"logit_bias keys must be token ids, got {tok!r}.", "logit_bias")
+            _finite_in("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "a map to values in [-100, 100]")
         if self.best_of is not None and self.best_of > 1 and self.temperature == 0.0:
             # Greedy samples would all be identical; vLLM refuses this too.
-            raise ValueError("best_of must be 1 when temperature is 0 (greedy sampling).")
+            raise RequestError("best_of must be 1 when temperature is 0 (greedy sampling).", "best_of")
         if self.n > 1 and self.temperature == 0.0:
-            raise ValueError("n must be 1 when temperature is 0 (greedy sampling).")
+            raise RequestError("n must be 1 when temperature is 0 (greedy sampling).", "n")
 
     @property
     def actual_best_of(self) -> int:

@@ -43,9 +43,7 @@ class _Scheduled:
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...]
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -62,6 +60,8 @@ class Scheduler:
         self._block_size = block_manager.block_size
         self.num_preemptions_recompute = 0
         self.num_preemptions_swap = 0
+        self.num_prompt_tokens = 0  # prompt tokens of every request added
+        self.num_generation_tokens = 0  # tokens sampled (appended to sequences) over the engine's life
 
     # ------------------------------------------------------------------ requests
     def new_seq_id(self) -> int:
@@ -92,6 +92,7 @@ class Scheduler:
         self._groups[request_id] = group
         self._seq_owner[seq.seq_id] = group
         self.waiting.append(group)
+        self.num_prompt_tokens += len(prompt_token_ids)
         return group
 
     def abort_request(self, request_id: str) -> SequenceGroup | None:
@@ -122,7 +123,7 @@ class Scheduler:
         seq.status = status
         seq.stop_reason = stop_reason
         self.block_manager.free(seq.seq_id)
-        if seq.num_tokens_sent:
+        if seq.num_tokens_on_workers:
             self._to_forget.append(seq.seq_id)
         seq.forget_worker_state()
         if group.is_finished:
@@ -167,8 +168,9 @@ class Scheduler:
         prefill_ids = {id(g) for g in in_prefill}
         decoding = [g for g in self.running if id(g) not in prefill_ids]
         scheduled: set[int] = set()
+        victims: set[int] = set()  # ids of groups preempted earlier in this loop
         for group in decoding + in_prefill:
-            if group not in self.running:  # preempted as a victim earlier in this loop
+            if id(group) in victims:
                 continue
             while True:
                 plan = self._plan_tokens(group, budget)
@@ -180,6 +182,7 @@ class Scheduler:
                     break
                 victim = next(g for g in reversed(self.running) if id(g) not in scheduled)
                 self._preempt(victim, out)
+                victims.add(id(victim))
                 preempted = True
                 if victim is group:
                     break
@@ -214,15 +217,17 @@ class Scheduler:
                 self.waiting.pop(0)
                 self._ignore(
                     group,
-                    f"the prompt ({longest} tokens) is longer than max_model_len "
-                    f"({self.config.max_model_len})",
+                    f"the prompt ({longest} tokens) is longer than max_model_len ({self.config.max_model_len})",
                 )
                 continue
             if budget.seqs < len(seqs):
                 return
             if not self.config.enable_chunked_prefill and longest > budget.tokens:
                 return
-            statuses = [bm.can_allocate(s.token_ids) for s in seqs]
+            # A request that still wants prompt logprobs computes its whole prompt: cached blocks would skip
+            # positions it must score (vLLM makes the same choice).
+            use_cache = not group.wants_prompt_logprobs
+            statuses = [bm.can_allocate(s.token_ids, use_cache) for s in seqs]
             if AllocStatus.NEVER in statuses:
                 self.waiting.pop(0)
                 self._ignore(
@@ -231,7 +236,7 @@ class Scheduler:
                     f"({bm.num_device_blocks} blocks in all, less the free-block watermark)",
                 )
                 continue
-            if AllocStatus.LATER in statuses or not self._allocate_all(seqs):
+            if AllocStatus.LATER in statuses or not self._allocate_all(seqs, use_cache):
                 return
             self.waiting.pop(0)
             for seq in seqs:
@@ -239,20 +244,21 @@ class Scheduler:
             self.running.append(group)
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
+                group.num_cached_tokens = seqs[0].num_computed_tokens
             plan = self._plan_tokens(group, budget)
             if plan is not None and self._can_grow(plan):
                 self._commit(group, plan, budget, out)
 
-    def _allocate_all(self, seqs: list[Sequence]) -> bool:
+    def _allocate_all(self, seqs: list[Sequence], use_cache: bool) -> bool:
         """Allocate every sequence of a group, or none (a recomputed fork needs one table per sequence)."""
         done: list[Sequence] = []
         for seq in seqs:
-            if done and self.block_manager.can_allocate(seq.token_ids) is not AllocStatus.OK:
+            if done and self.block_manager.can_allocate(seq.token_ids, use_cache) is not AllocStatus.OK:
                 for d in done:
                     self.block_manager.free(d.seq_id)
                     d.num_computed_tokens = 0
                 return False
-            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache)
             done.append(seq)
         return True
 
@@ -281,9 +287,7 @@ class Scheduler:
     ) -> None:
         for seq, n in plan:
             out.blocks_to_copy.extend(
-                self.block_manager.append_slots(
-                    seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens
-                )
+                self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens)
             )
             self._scheduled.append(_Scheduled(group, seq, n))
             budget.tokens -= n
@@ -310,7 +314,7 @@ class Scheduler:
             self.num_preemptions_recompute += 1
         for seq in seqs:
             seq.status = status
-            if seq.num_tokens_sent:
+            if seq.num_tokens_on_workers:
                 self._to_forget.append(seq.seq_id)
             seq.forget_worker_state()
 
@@ -328,7 +332,7 @@ class Scheduler:
         for item in self._scheduled:
             group, seq, n = item.group, item.seq, item.num_tokens
             table = self.block_manager.get_block_table(seq.seq_id)
-            if seq.num_tokens_sent == 0:
+            if seq.num_tokens_on_workers == 0:
                 out.new_seqs.append(
                     NewSeqData(
                         seq_id=seq.seq_id,
@@ -343,23 +347,25 @@ class Scheduler:
                     )
                 )
             else:
-                sent = seq.block_table_sent
-                kept = 0
+                sent = seq.block_table_on_workers
+                # Only blocks this step writes can have been replaced (copy-on-write) since the workers last
+                # saw the table, so the comparison starts at the first of them: O(1) per sequence per step.
                 limit = min(len(sent), len(table))
+                kept = min(limit, seq.num_computed_tokens // self._block_size)
                 while kept < limit and sent[kept] == table[kept]:
                     kept += 1
                 out.cached_seqs.append(
                     CachedSeqData(
                         seq_id=seq.seq_id,
-                        new_token_ids=seq.tokens_from(seq.num_tokens_sent),
+                        new_token_ids=seq.tokens_from(seq.num_tokens_on_workers),
                         num_kept_blocks=kept,
                         new_block_ids=table[kept:],
                         num_computed_tokens=seq.num_computed_tokens,
                         num_scheduled_tokens=n,
                     )
                 )
-            seq.num_tokens_sent = seq.num_tokens
-            seq.block_table_sent = table
+            seq.num_tokens_on_workers = seq.num_tokens
+            seq.block_table_on_workers = table
             if seq.num_computed_tokens + n == seq.num_tokens:
                 out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
             if group.wants_prompt_logprobs and seq is group.seqs[0]:
@@ -397,6 +403,7 @@ class Scheduler:
                 targets += self._fork(group, parent, len(sample.token_ids) - 1)
             if group.first_token_time is None:
                 group.first_token_time = now
+            self.num_generation_tokens += len(targets)
             for k, seq in enumerate(targets):
                 seq.output_token_ids.append(sample.token_ids[k])
                 seq.cumulative_logprob += sample.cumulative_logprob_deltas[k]

@@ -64,9 +64,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # What the workers know of this sequence (to send deltas); reset to 0 / [] when they must forget it.
-    num_tokens_sent: int = 0
-    block_table_sent: list[int] = field(default_factory=list)
+    # What the workers hold of this sequence, so the scheduler sends them deltas (nothing to do with what
+    # users were sent: that is the output processor's). Reset to 0 / [] when the workers must forget it.
+    num_tokens_on_workers: int = 0
+    block_table_on_workers: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,8 +98,8 @@ class Sequence:
 
     def forget_worker_state(self) -> None:
         """The workers dropped this sequence (preempted / swapped): it travels in full next time."""
-        self.num_tokens_sent = 0
-        self.block_table_sent = []
+        self.num_tokens_on_workers = 0
+        self.block_table_on_workers = []
 
 
 @dataclass(eq=False)
@@ -114,7 +115,8 @@ class SequenceGroup:
     forked: bool = False  # best_of children created (happens once, right after the prompt is computed)
     # prompt_logprobs[j] scores prompt token j; entry 0 is None (nothing precedes the first token)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    error: str | None = None  # why the request could not be served (FINISHED_IGNORED, or a worker failure)
+    error: str | None = None  # why the server could not finish it (FINISHED_IGNORED, or a worker failure)
+    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

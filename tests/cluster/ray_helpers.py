@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import LLM, SamplingParams
+from raytp import LLM, SamplingParams
 
 # Every rank actor is named "<placement group name>-rank<r>", and every group "raytp-<hex>".
 RAYTP_PREFIX = "raytp-"

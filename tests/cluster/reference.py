@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from model_exec.weights import load_hf_reference_model, resolve_model
+from model_exec.source import resolve_model
+from tests.helpers.hf_reference import load_hf_reference_model
 
 # Prompts of different lengths; shared by the parity tests.
 PROMPTS = [
@@ -56,4 +57,3 @@ def _hf_greedy_cached(
             )
             outs.append(tuple(gen[0, len(ids) :].tolist()))
     return tuple(outs)
-

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import LLM, EngineConfig, SamplingParams
 from cluster.controller import EngineController
-from cluster.protocol import RequestDelta
+from cluster.outputs import RequestDelta
+from raytp import LLM, EngineConfig, RequestError, SamplingParams
 from tests.cluster.ray_helpers import (
     generate_ids,
     greedy,
@@ -73,7 +73,7 @@ async def _collect(gen: Any) -> list[RequestDelta]:
 
 
 def _tokens(deltas: list[RequestDelta], index: int = 0) -> list[int]:
-    return [t for d in deltas for s in d.seqs if s.index == index for t in s.new_token_ids]
+    return [t for d in deltas for s in d.samples if s.index == index for t in s.token_ids]
 
 
 def test_concurrent_streams_match_offline(controller: Any, reference: list[list[int]]) -> None:
@@ -86,10 +86,10 @@ def test_concurrent_streams_match_offline(controller: Any, reference: list[list[
     all_deltas = asyncio.run(run())
     assert [_tokens(d) for d in all_deltas] == reference
     for prompt, deltas in zip(prompts, all_deltas, strict=True):
-        assert deltas[0].prompt_token_ids == prompt, "the first delta carries the prompt"
-        assert all(d.prompt_token_ids is None for d in deltas[1:]), "...and only the first"
+        assert deltas[0].prompt is not None and deltas[0].prompt.token_ids == prompt, "the first delta: the prompt"
+        assert all(d.prompt is None for d in deltas[1:]), "...and only the first"
         assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
-        assert deltas[-1].seqs[-1].finish_reason == "length" and deltas[-1].error is None
+        assert deltas[-1].samples[-1].finish_reason == "length" and deltas[-1].error is None
 
 
 def test_logprobs_and_several_samples_stream_per_sequence(controller: Any) -> None:
@@ -97,9 +97,9 @@ def test_logprobs_and_several_samples_stream_per_sequence(controller: Any) -> No
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, logprobs=2, ignore_eos=True)
     deltas = asyncio.run(_collect(_stream(controller, "samples", prompt, params)))
     for index in (0, 1):
-        seq_deltas = [s for d in deltas for s in d.seqs if s.index == index]
-        tokens = [t for s in seq_deltas for t in s.new_token_ids]
-        logprobs = [e for s in seq_deltas for e in (s.new_logprobs or [])]
+        seq_deltas = [s for d in deltas for s in d.samples if s.index == index]
+        tokens = [t for s in seq_deltas for t in s.token_ids]
+        logprobs = [e for s in seq_deltas for e in (s.logprobs or [])]
         assert len(tokens) == len(logprobs) == 10
         assert all(tok in entry for tok, entry in zip(tokens, logprobs, strict=True))
         assert seq_deltas[-1].finish_reason == "length"
@@ -113,7 +113,7 @@ def test_abort_ends_the_stream_and_frees_blocks(controller: Any) -> None:
         return [first] + await _collect(gen)
 
     deltas = asyncio.run(run())
-    assert deltas[-1].finished and deltas[-1].seqs[-1].finish_reason == "abort"
+    assert deltas[-1].finished and deltas[-1].samples[-1].finish_reason == "abort"
     assert len(_tokens(deltas)) < 400
     assert _blocks_all_free(controller)
 
@@ -129,21 +129,23 @@ def test_cancelling_the_stream_aborts_the_request(controller: Any) -> None:
     wait_until(lambda: _blocks_all_free(controller), 10, "the cancelled request's blocks to be freed")
 
 
-def test_bad_prompts_raise_value_error_and_others_continue(controller: Any, reference: list[list[int]]) -> None:
+def test_bad_prompts_raise_request_error_and_others_continue(controller: Any, reference: list[list[int]]) -> None:
     prompts = tiny_prompts()
 
-    async def run() -> tuple[list[list[RequestDelta]], list[str]]:
+    async def run() -> tuple[list[list[RequestDelta]], list[RequestError]]:
         good = [_stream(controller, f"ok-{i}", prompts[i], greedy(MAX_NEW)) for i in (3, 7)]
         errors = []
         for rid, bad in [("too-long", [5] * 600), ("bad-id", [5, 100_000])]:
-            with pytest.raises(ValueError) as info:
+            with pytest.raises(RequestError) as info:
                 await _collect(_stream(controller, rid, bad, greedy(4)))
-            errors.append(str(info.value))
+            errors.append(info.value.cause if hasattr(info.value, "cause") else info.value)
         return await asyncio.gather(*(_collect(g) for g in good)), errors
 
     good, errors = asyncio.run(run())
-    assert "prompt is 600 tokens long, longer than max_model_len (512)" in errors[0]
-    assert "prompt_token_ids must be in [0, 320)" in errors[1]
+    # Typed across Ray: the field and OpenAI's code survive, no message needs parsing.
+    assert (errors[0].param, errors[0].code) == ("prompt", "context_length_exceeded")
+    assert "maximum context length is 512 tokens" in errors[0].message and "600 tokens" in errors[0].message
+    assert errors[1].param == "prompt" and "[0, 320)" in errors[1].message
     assert [_tokens(d) for d in good] == [reference[3], reference[7]]
 
 

@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
-from cluster.cli import main as cli_main
+from cluster.outputs import RequestDelta, RequestOutput, RequestOutputBuilder
+from raytp import LLM, RequestError, SamplingParams
+from raytp.cli.main import main as cli_main
 from tests.cluster.reference import hf_model
 
 pytestmark = pytest.mark.slow
@@ -107,9 +108,7 @@ def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
         .token_ids
     )
     assert alone == again == mixed == reordered
-    different_seed = (
-        llm.generate("Once upon a time", target.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
-    )
+    different_seed = llm.generate("Once upon a time", target.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
     assert different_seed != alone
 
 
@@ -142,9 +141,7 @@ def test_logprobs_match_hf_log_softmax(llm: LLM) -> None:
 
 
 def test_n_and_best_of(llm: LLM) -> None:
-    (two,) = llm.generate(
-        "Write a haiku:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16), use_tqdm=False
-    )
+    (two,) = llm.generate("Write a haiku:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16), use_tqdm=False)
     assert len(two.outputs) == 2 and two.outputs[0].token_ids != two.outputs[1].token_ids
     params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=3, max_tokens=16, logprobs=0)
     (best,) = llm.generate("Write a haiku:", params, use_tqdm=False)
@@ -171,27 +168,37 @@ def test_bad_sampling_params_name_the_field(field: str, kwargs: dict) -> None:
 
 def test_bad_prompts_raise_and_the_engine_keeps_serving(llm: LLM) -> None:
     engine = llm.llm_engine
-    expected = [
-        o.outputs[0].token_ids for o in llm.generate([FRANCE, "def add(a, b):"], greedy(16), use_tqdm=False)
-    ]
+    expected = [o.outputs[0].token_ids for o in llm.generate([FRANCE, "def add(a, b):"], greedy(16), use_tqdm=False)]
     engine.add_request("ok-1", FRANCE, greedy(16))
     engine.add_request("ok-2", "def add(a, b):", greedy(16))
-    engine.step()
-    engine.step()
-    with pytest.raises(ValueError, match="prompt must not be empty"):
-        engine.add_request("bad-1", "", greedy(4))
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("bad-2", {"prompt_token_ids": [5] * 2000}, greedy(4))
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        engine.add_request("bad-3", {"prompt_token_ids": [10**9]}, greedy(4))
-    with pytest.raises(ValueError, match="max_model_len"):
+    early = engine.step() + engine.step()  # in flight while the bad requests arrive
+    bad: list[tuple[object, SamplingParams, str, str]] = [
+        ("", greedy(4), "prompt", "must not be empty"),
+        ({"prompt_token_ids": [5] * 2000}, greedy(4), "prompt", "maximum context length"),
+        ({"prompt_token_ids": [10**9]}, greedy(4), "prompt", "vocabulary"),
+        (FRANCE, greedy(4, stop_token_ids=[10**9]), "stop_token_ids", "vocabulary"),
+        (FRANCE, greedy(4, logit_bias={10**9: 1.0}), "logit_bias", "vocabulary"),
+        (FRANCE, SamplingParams(n=300, temperature=1.0), "n", "max_num_seqs"),
+    ]
+    for i, (prompt, params, param, message) in enumerate(bad):
+        with pytest.raises(RequestError, match=message) as info:
+            engine.add_request(f"bad-{i}", prompt, params)  # type: ignore[arg-type]
+        assert info.value.param == param
+    with pytest.raises(RequestError, match="maximum context length"):
         llm.generate(["fine", "x " * 3000], greedy(4), use_tqdm=False)  # one bad prompt refuses the call
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert [done["ok-1"], done["ok-2"]] == expected
+    done = drain(engine, early)
+    assert [done["ok-1"].outputs[0].token_ids, done["ok-2"].outputs[0].token_ids] == expected
+
+
+def drain(engine: object, earlier: list[RequestDelta]) -> dict[str, RequestOutput]:
+    """Step the engine until idle; every request's output, folded from its deltas (`earlier` ones first)."""
+    builders: dict[str, RequestOutputBuilder] = {}
+    deltas = list(earlier)
+    while deltas or engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        for delta in deltas:
+            builders.setdefault(delta.request_id, RequestOutputBuilder(delta.request_id)).add(delta)
+        deltas = engine.step() if engine.has_unfinished_requests() else []  # type: ignore[attr-defined]
+    return {rid: b.build() for rid, b in builders.items()}
 
 
 def test_bad_engine_configs_name_the_field() -> None:
@@ -219,9 +226,7 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     (chat,) = llm.chat(messages, greedy(12), use_tqdm=False)
     templated = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    (plain,) = llm.generate(
-        {"prompt_token_ids": llm.get_tokenizer().encode(templated)}, greedy(12), use_tqdm=False
-    )
+    (plain,) = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode(templated)}, greedy(12), use_tqdm=False)
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     assert chat.outputs[0].text.strip()
 
@@ -231,3 +236,72 @@ def test_cli_generate(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["outputs"][0]["text"].startswith(" Paris.")
+
+
+LONG = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press adapted from those used for wine. Within fifty "
+    "years presses were running in more than two hundred cities across Europe, and the price of books fell "
+    "so far that reading spread well beyond monasteries and universities."
+)
+
+
+def test_prompt_logprobs_are_complete_when_the_prefix_cache_hits(llm: LLM) -> None:
+    """Regression (issue 7, bug 3): cached prompt positions came back as None. A request that asks for
+    prompt logprobs computes its whole prompt; the result equals a cache-off engine's and HF's."""
+    bm = llm.llm_engine.block_manager
+    llm.generate(LONG, greedy(2), use_tqdm=False)  # the prompt's full blocks enter the prefix cache
+    (out,) = llm.generate(LONG, greedy(2, prompt_logprobs=2), use_tqdm=False)
+    ids, plp = out.prompt_token_ids, out.prompt_logprobs
+    assert len(ids) >= 4 * 16, "several blocks long"
+    assert plp is not None and len(plp) == len(ids) and plp[0] is None
+    assert all(e is not None and tok in e for e, tok in zip(plp[1:], ids[1:], strict=True))
+    off = LLM(None, max_model_len=1024, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+    try:
+        (ref,) = off.generate(LONG, greedy(2, prompt_logprobs=2), use_tqdm=False)
+    finally:
+        off.llm_engine.shutdown()
+    assert ref.prompt_logprobs is not None
+    with torch.inference_mode():
+        hf = torch.log_softmax(hf_model(None)(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for j in range(1, len(ids)):
+        mine, theirs = plp[j], ref.prompt_logprobs[j]
+        assert mine is not None and theirs is not None and set(mine) == set(theirs)
+        assert abs(mine[ids[j]].logprob - theirs[ids[j]].logprob) < 1e-5
+        assert abs(mine[ids[j]].logprob - float(hf[j - 1, ids[j]])) < 1e-4
+    hits = bm.prefix_cache_hits
+    llm.generate(LONG, greedy(2), use_tqdm=False)  # requests without prompt logprobs still use the cache
+    assert bm.prefix_cache_hits > hits
+
+
+def test_best_of_returns_the_n_most_likely_of_all_generated(llm: LLM) -> None:
+    """Regression (issue 7, bug 5): not just sorted, but the top n by cumulative logprob of the best_of
+    samples (the same seed draws the same samples whatever n is)."""
+    base = dict(temperature=1.0, seed=11, max_tokens=12, logprobs=0, ignore_eos=True)
+    (every,) = llm.generate("Write a haiku:", SamplingParams(n=4, best_of=4, **base), use_tqdm=False)  # type: ignore[arg-type]
+    (best,) = llm.generate("Write a haiku:", SamplingParams(n=2, best_of=4, **base), use_tqdm=False)  # type: ignore[arg-type]
+    assert len({tuple(o.token_ids) for o in every.outputs}) == 4
+    ranked = sorted(every.outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)
+    assert [o.token_ids for o in best.outputs] == [o.token_ids for o in ranked[:2]]
+    assert [o.index for o in best.outputs] == [0, 1]
+
+
+def test_a_stop_string_frees_its_sample_at_once(llm: LLM) -> None:
+    """Regression (issue 7, bug 2): with n=2, the sample a stop string ends holds no KV block from that
+    step on, while its sibling keeps generating."""
+    engine = llm.llm_engine
+    base = dict(n=2, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
+    (free_run,) = llm.generate(FRANCE, SamplingParams(**base), use_tqdm=False)  # type: ignore[arg-type]
+    first, second = (o.text for o in free_run.outputs)
+    stop = next(first[:k] for k in range(2, len(first)) if first[:k] not in second)  # in sample 0 only
+    group = engine.add_request("stop-frees", FRANCE, SamplingParams(stop=[stop], **base))  # type: ignore[arg-type]
+    stopped_seq = None
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for s in delta.samples:
+                if s.index == 0 and s.finish_reason == "stop":
+                    stopped_seq = next(q for q in group.seqs if q.sample_index == 0)
+                    assert stopped_seq.is_finished and not engine.block_manager.has_seq(stopped_seq.seq_id)
+                    assert not delta.finished, "its sibling is still running"
+    assert stopped_seq is not None
+    assert len(stopped_seq.output_token_ids) < 16 and group.seqs[1].output_token_ids == free_run.outputs[1].token_ids

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from raytp import LLM, SamplingParams
 from tests.cluster.reference import PROMPTS, hf_greedy
 from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2, make_tiny_untied_rope_scaled
 
@@ -96,7 +96,7 @@ def test_tiny_prefix_cache_hits_match_hf(model_root: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["default", "chunked", "recompute", "swap"])
 def test_smollm2_matches_hf(variant: str) -> None:
-    from model_exec.weights import load_tokenizer, resolve_model
+    from model_exec.source import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -114,7 +114,7 @@ def test_smollm2_matches_hf(variant: str) -> None:
 
 @pytest.mark.slow
 def test_smollm2_prefix_cache_hits_match_hf() -> None:
-    from model_exec.weights import load_tokenizer, resolve_model
+    from model_exec.source import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))
     system = "You are a careful assistant. Answer briefly and precisely. " * 3
@@ -122,9 +122,6 @@ def test_smollm2_prefix_cache_hits_match_hf() -> None:
     expected = hf_greedy(None, prompts, MAX_NEW)
     llm = LLM(None, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    got = [
-        llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
-        for p in prompts
-    ]
+    got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == expected
     assert llm.llm_engine.block_manager.prefix_cache_hits > 0

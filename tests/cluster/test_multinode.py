@@ -14,9 +14,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster import LLM
 from cluster.placement import PlacementError
 from cluster.ray_executor import RayExecutor
+from raytp import LLM
 from tests.cluster.ray_helpers import assert_all_blocks_free, assert_nothing_left, generate_ids, live_placement_groups
 from tests.cluster.reference import hf_greedy
 from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster import LLM
-from cluster.cli import main as cli_main
 from cluster.placement import PlacementError
 from cluster.ray_executor import RayExecutor
+from raytp import LLM
+from raytp.cli.main import main as cli_main
 from tests.cluster.ray_helpers import (
     assert_all_blocks_free,
     assert_nothing_left,

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import LLM, EngineConfig, EngineDeadError
 from cluster.controller import EngineController
-from cluster.protocol import RequestDelta
+from cluster.outputs import RequestDelta
 from cluster.ray_executor import RankFailedError, RayExecutor
+from raytp import LLM, EngineConfig, EngineDeadError
 from tests.cluster.ray_helpers import (
     assert_nothing_left,
     generate_ids,
@@ -140,7 +140,7 @@ def test_killed_rank_fails_controller_streams(model: str, reference: list[list[i
     assert elapsed < FAIL_WITHIN_S
     for final in finals:
         assert final.finished and final.error is not None and "tensor-parallel rank 0 of 2" in final.error
-        assert final.seqs and final.seqs[-1].finish_reason == "abort"
+        assert final.samples and final.samples[-1].finish_reason == "abort"
     with pytest.raises(Exception, match="the engine is dead"):
         ray.get(controller.check_health.remote())
     ray.get(controller.shutdown.remote())
@@ -152,7 +152,7 @@ def test_killed_rank_fails_controller_streams(model: str, reference: list[list[i
     async def serve() -> list[list[int]]:
         async def tokens(i: int, prompt: list[int]) -> list[int]:
             gen = fresh.generate.options(num_returns="streaming").remote(f"new-{i}", prompt, greedy(16))
-            return [t for d in [await ref async for ref in gen] for s in d.seqs for t in s.new_token_ids]
+            return [t for d in [await ref async for ref in gen] for s in d.samples for t in s.token_ids]
 
         return await asyncio.gather(*(tokens(i, p) for i, p in enumerate(tiny_prompts(4))))
 

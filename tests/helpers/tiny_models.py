@@ -219,12 +219,13 @@ def load_our_model(
 ) -> tuple[torch.nn.Module, Any]:
     """(our model shard with weights loaded, its ModelConfig) for a model name/path (None: default)."""
     from model_exec.models import build_model
-    from model_exec.weights import iter_weights, load_model_config, resolve_model
+    from model_exec.source import read_model_config, resolve_model
+    from model_exec.weights import iter_weights
     from ops.attention import get_attn_backend
 
     tp = tp or TPGroup.single()
     src = resolve_model(model)
-    config = load_model_config(src)
+    config = read_model_config(src)
     net = build_model(config, tp, get_attn_backend("torch", device), device, dtype)
     net.load_weights(iter_weights(src))
     return net, config
@@ -276,7 +277,7 @@ def hf_default_model() -> torch.nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    from model_exec.weights import resolve_model
+    from model_exec.source import resolve_model
 
     src = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)

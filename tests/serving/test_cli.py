@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from cluster.cli import main
+from raytp.cli.main import main
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.serving.live_server import free_port
 
@@ -40,7 +40,7 @@ def test_raytp_serve_starts_serves_and_stops(model_dir: str, sig: signal.Signals
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAYTP_API_KEY"] = "cli-key"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "raytp.cli.main", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--max-model-len", "128", "--kv-cache-memory-bytes", str(1 << 22), "--swap-space", "0.01"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()

@@ -162,7 +162,7 @@ def test_503_when_the_engine_is_dead_then_replaced(server: LiveServer) -> None:
     (name,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("EngineController:")]
     ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]))
     r = requests.get(server.url("/health"), timeout=30)
-    assert_error(r, 503, code="engine_dead")
+    assert_error(r, 503, code="engine_unavailable")
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}), 503)
     # Serve's health check fails the replica and starts a fresh one (a new controller and worker).
     deadline = time.monotonic() + 120

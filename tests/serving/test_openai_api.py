@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import requests
 
-from cluster import LLM, SamplingParams
+from raytp import LLM, SamplingParams
 from tests.cluster.reference import PROMPTS
 from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server, sse_payloads
 
@@ -304,3 +304,79 @@ def test_raw_sse_usage_chunk(server: LiveServer) -> None:
     usage = events[-2]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
     assert all("usage" in e and e["usage"] is None for e in events[:-2])
+
+
+LONG_PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press adapted from those used for wine. Within fifty "
+    "years presses were running in more than two hundred cities across Europe."
+)
+
+
+def test_a_stop_string_ends_its_sample_in_the_engine_at_once(server: LiveServer) -> None:
+    """Regression (issue 7, bugs 1 and 2): with n=2, a sample a stop string ends stops generating in the
+    engine then, not when its sibling finishes; the engine generated exactly the tokens the client got."""
+    client = server.client()
+    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=1.0, n=2, seed=21)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    first, second = (c.text for c in sorted(free.choices, key=lambda c: c.index))
+    stop = next(first[:k] for k in range(3, len(first)) if first[:k] not in second)
+    before = server.wait_idle()["generation_tokens_total"]
+    resp = client.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True})
+    generated = server.wait_idle()["generation_tokens_total"] - before
+    by_index = {c.index: c for c in resp.choices}
+    assert by_index[0].finish_reason == "stop" and by_index[1].finish_reason == "length"
+    assert resp.usage is not None and generated == resp.usage.completion_tokens < 2 * 48
+
+
+def test_echo_logprobs_cover_every_prompt_token_with_the_cache_warm(server: LiveServer, llm: LLM) -> None:
+    """Regression (issue 7, bug 3): with the prefix cache holding the prompt, echo + logprobs still scores
+    every prompt position, with the offline engine's values."""
+    client = server.client()
+    client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1, temperature=0)  # warm the cache
+    resp = client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None
+    (ref,) = llm.generate(LONG_PROMPT, greedy(1, prompt_logprobs=1), use_tqdm=False)
+    n = len(ref.prompt_token_ids)
+    assert n >= 48 and len(lp.token_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+    expected = [e[t].logprob for e, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:], strict=True)]  # type: ignore[index,index]
+    assert lp.token_logprobs[1:n] == pytest.approx(expected, abs=1e-3)
+
+
+def test_best_of_over_http_returns_the_most_likely(server: LiveServer) -> None:
+    """Regression (issue 7, bug 5): the n returned are the n highest cumulative-logprob samples of best_of."""
+    client = server.client()
+    kw: dict[str, Any] = dict(model=MODEL, prompt="Write a haiku:", max_tokens=10, temperature=1.0, seed=11, logprobs=0)
+    every = client.completions.create(**kw, n=4, best_of=4, extra_body={"ignore_eos": True})
+    ranked = sorted(every.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)  # type: ignore[union-attr,arg-type]
+    best = client.completions.create(**kw, n=2, best_of=4, extra_body={"ignore_eos": True})
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+
+
+def test_offline_and_http_agree(server: LiveServer, llm: LLM) -> None:
+    """Issue 7, must-show 3: the same seeded requests give identical text, tokens, finish reasons and
+    logprobs offline and over HTTP (stop strings, n=2, best_of=3, logprobs): one output road."""
+    client = server.client()
+    tok = llm.get_tokenizer()
+    cases: list[dict[str, Any]] = [
+        dict(n=2, temperature=0.8, seed=4, max_tokens=20, stop=[".", "\n"], logprobs=2),
+        dict(n=1, best_of=3, temperature=1.0, seed=9, max_tokens=16, logprobs=1),
+        dict(n=1, temperature=0.0, max_tokens=24, stop=["answer"], logprobs=3),
+    ]
+    for case in cases:
+        (off,) = llm.generate(PROMPTS[0], SamplingParams(**case), use_tqdm=False)
+        http = client.completions.create(model=MODEL, prompt=PROMPTS[0], **case)
+        got = sorted(http.choices, key=lambda c: c.index)
+        assert len(got) == len(off.outputs) == case["n"]
+        for c, o in zip(got, off.outputs, strict=True):
+            assert (c.text, c.finish_reason) == (o.text, o.finish_reason)
+            lp = c.logprobs
+            assert lp is not None and o.logprobs is not None
+            assert lp.tokens == [tok.decode([t]) for t in o.token_ids]
+            assert lp.token_logprobs == pytest.approx(
+                [e[t].logprob for e, t in zip(o.logprobs, o.token_ids, strict=True)], abs=1e-4
+            )

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from raytp import LLM, SamplingParams
 from tests.cluster.reference import PROMPTS
 from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server
 

@@ -1,81 +1,24 @@
-"""The serving layer's pure parts, without a server: stop strings and hold-back, argument
-parsing, the example Serve config, error mapping, logprob shapes. Milliseconds each."""
+"""The serving layer's pure parts, without a server: argument parsing, the example Serve config,
+error mapping by type, logprob shapes. Milliseconds each."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from cluster.output_processor import IncrementalDetokenizer
-from cluster.protocol import SeqDelta
-from cluster.serving.builder import ServeArgs, build_app
-from cluster.serving.errors import EngineOverloadedError, error_for_delta, to_openai_error, validation_error
-from cluster.serving.logprobs import chat_logprobs, completion_logprobs
-from cluster.serving.protocol import CompletionRequest
-from cluster.serving.text_stream import SequenceText, stop_prefix_len
-from scheduler.sampling_params import SamplingParams
-from tests.helpers.tiny_models import save_byte_tokenizer
+from cluster.engine import EngineDeadError
+from cluster.outputs import Logprob
+from raytp.openai.errors import EngineOverloadedError, request_failed, to_openai_error, validation_error
+from raytp.openai.logprobs import chat_logprobs, completion_logprobs
+from raytp.openai.protocol import CompletionRequest
+from scheduler.errors import PromptTooLongError, RequestError
+from serve_app import ServeArgs, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    save_byte_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def stream_text(tokenizer: Any, text: str, params: SamplingParams, finish_at_end: str | None = "length") -> Any:
-    """Feed `text` one byte token per delta; returns (released pieces, the SequenceText)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    seq = SequenceText(0, params, IncrementalDetokenizer(tokenizer), tokenizer.encode("Q:", add_special_tokens=False))
-    pieces: list[str] = []
-    for i, tok in enumerate(ids):
-        last = i == len(ids) - 1
-        up = seq.apply(SeqDelta(0, [tok], None, -1.0 * i, finish_at_end if last else None))
-        if up is not None:
-            pieces.append(up.text)
-        if seq.finished:
-            break
-    return pieces, seq
-
-
-def test_stop_prefix_len() -> None:
-    assert stop_prefix_len("hello wo", ("world",)) == 2
-    assert stop_prefix_len("hello w", ("world", "xyz")) == 1
-    assert stop_prefix_len("hello", ("world",)) == 0
-    assert stop_prefix_len("abcab", ("abcabd",)) == 5
-    assert stop_prefix_len("ab", ("b", "abc")) == 2  # "b" itself would have matched: only proper prefixes count
-
-
-def test_stop_string_is_held_back_and_trimmed(tokenizer: Any) -> None:
-    params = SamplingParams(stop=("o w",), max_tokens=100)
-    pieces, seq = stream_text(tokenizer, "Hello world, bye", params)
-    assert seq.text == "Hell" and "".join(pieces) == "Hell"
-    assert seq.finish_reason == "stop" and seq.stop_reason == "o w" and seq.stopped_here
-    # no piece ever showed a character of the stop string
-    assert all("o" not in p for p in pieces)
-
-
-def test_include_stop_str_and_no_stop(tokenizer: Any) -> None:
-    pieces, seq = stream_text(
-        tokenizer, "Hello world, bye", SamplingParams(stop=("o w",), include_stop_str_in_output=True)
-    )
-    assert "".join(pieces) == seq.text == "Hello w"
-    # a partial match that never completes is released at the end
-    pieces, seq = stream_text(tokenizer, "Hello wo", SamplingParams(stop=("o wx",)))
-    assert "".join(pieces) == "Hello wo" and seq.finish_reason == "length"
-
-
-def test_min_tokens_defers_stop_strings(tokenizer: Any) -> None:
-    _, seq = stream_text(tokenizer, "ab ab ab", SamplingParams(stop=("ab",), min_tokens=4))
-    assert seq.text == "ab " and seq.stop_reason == "ab"
 
 
 def test_serve_args_parsing() -> None:
@@ -92,33 +35,60 @@ def test_serve_args_parsing() -> None:
 def test_example_serve_config_is_valid() -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    config = yaml.safe_load((ROOT / "cluster/serving/serve_config.example.yaml").read_text())
+    config = yaml.safe_load((ROOT / "serve_config.example.yaml").read_text())
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
     assert app.import_path == "serve_app:build_app"
     build_app(app.args)  # every arg is accepted
 
 
-def test_error_mapping() -> None:
-    e = to_openai_error(ValueError("temperature must be non-negative, got -1."))
+def test_errors_map_by_type_not_by_message() -> None:
+    e = to_openai_error(RequestError("anything at all", "temperature"))
     assert (e.status, e.param, e.type) == (400, "temperature", "invalid_request_error")
+    too_long = to_openai_error(PromptTooLongError("whatever the wording"))
+    assert (too_long.status, too_long.param, too_long.code) == (400, "prompt", "context_length_exceeded")
     assert to_openai_error(EngineOverloadedError("busy")).status == 503
-    assert error_for_delta("the prompt (600 tokens) is longer than max_model_len (512)").status == 400
-    assert error_for_delta("engine failure: rank 1 died").status == 503
-    try:
+    dead = to_openai_error(EngineDeadError("rank 1 (pid 13374 on 192.0.2.2) died"))
+    assert dead.status == 503 and "13374" not in dead.message and "192.0.2.2" not in dead.message
+    failed = request_failed("engine failure: tensor-parallel rank 1 (pid 13374 on 192.0.2.2)", "cmpl-1")
+    assert failed.status == 503 and "192.0.2.2" not in failed.message
+    internal = to_openai_error(KeyError("secret internals"))
+    assert internal.status == 500 and "KeyError" not in internal.message and "secret" not in internal.message
+
+
+def test_request_errors_survive_pickling() -> None:
+    """They cross Ray (controller -> ingress) with their fields."""
+    e = pickle.loads(pickle.dumps(PromptTooLongError("too long", "messages")))
+    assert isinstance(e, PromptTooLongError) and (e.message, e.param, e.code) == (
+        "too long",
+        "messages",
+        "context_length_exceeded",
+    )
+
+
+def test_validation_errors_name_the_field() -> None:
+    """Regression (issue 7, bug 6): the assertions used to sit in an `except` block that never ran
+    when nothing was raised."""
+    with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"prompt": [1.5]})
-    except Exception as exc:
-        err = validation_error(exc.errors())  # type: ignore[attr-defined]
-        assert err.status == 400 and err.param == "prompt"
+    err = validation_error(info.value.errors())
+    assert err.status == 400 and err.param == "prompt"
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "hi", "temperature": float("inf")})
+    assert validation_error(info.value.errors()).param == "temperature"
 
 
 def test_logprob_shapes() -> None:
-    decode = {5: "a", 6: "bc", 7: "d"}.__getitem__
-    entries = [None, {6: (-0.5, 1), 7: (-1.5, 2)}, {7: (-3.0, 3), 5: (-0.1, 1), 6: (-0.2, 2)}]
-    lp = completion_logprobs([5, 6, 7], entries, 1, decode, 10)
+    texts = {5: "a", 6: "bc", 7: "d"}
+
+    def entry(**ranks: tuple[float, int]) -> dict[int, Logprob]:
+        return {int(t[1:]): Logprob(lp, r, texts[int(t[1:])]) for t, (lp, r) in ranks.items()}
+
+    entries = [None, entry(t6=(-0.5, 1), t7=(-1.5, 2)), entry(t7=(-3.0, 3), t5=(-0.1, 1), t6=(-0.2, 2))]
+    lp = completion_logprobs([5, 6, 7], entries, 1, 10, texts.__getitem__)
     assert lp.tokens == ["a", "bc", "d"] and lp.text_offset == [10, 11, 13]
     assert lp.token_logprobs == [None, -0.5, -3.0]
     assert lp.top_logprobs == [None, {"bc": -0.5}, {"a": -0.1, "d": -3.0}]  # top-1 plus the sampled token
-    chat = chat_logprobs([7], [{7: (float("-inf"), 3), 5: (-0.1, 1), 6: (-0.2, 2)}], 2, decode)
-    (entry,) = chat.content or []
-    assert entry.logprob == -9999.0 and [t.token for t in entry.top_logprobs] == ["a", "bc"]
+    chat = chat_logprobs([7], [entry(t7=(float("-inf"), 3), t5=(-0.1, 1), t6=(-0.2, 2))], 2)
+    (only,) = chat.content or []
+    assert only.logprob == -9999.0 and [t.token for t in only.top_logprobs] == ["a", "bc"]

@@ -1,24 +1,22 @@
 """POST /v1/completions: prompts -> engine requests -> one response or an SSE stream.
 
-Each prompt (a string, token ids, or a list of either) becomes one engine request; its
-`n` samples are choices `prompt_index * n + sample_index`, as OpenAI numbers them.
+Each prompt (a string, token ids, or a list of either; at most `MAX_PROMPTS`) becomes one engine
+request; its `n` samples are choices `prompt_index * n + sample_index`, as OpenAI numbers them.
+`create` returns the response model (non-streaming: the HTTP route and batch jobs serialise it the
+same way) or an async iterator of SSE events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.responses import Response
-
-from cluster.serving.context import DONE, SSE_HEADERS, ServingContext, sse
-from cluster.serving.errors import bad_request, to_openai_error
-from cluster.serving.generation import Generation, merge_updates, run_to_end, start_all
-from cluster.serving.logprobs import completion_logprobs
-from cluster.serving.protocol import (
+from cluster.outputs import PositionLogprobs, RequestOutput
+from raytp.openai.context import DONE, ServingContext, sse
+from raytp.openai.errors import bad_request, to_openai_error
+from raytp.openai.logprobs import completion_logprobs
+from raytp.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -26,83 +24,78 @@ from cluster.serving.protocol import (
     UsageInfo,
     stream_dump,
 )
-from cluster.serving.sampling import check_prompt_ids, resolve_max_tokens, to_sampling_params
-from scheduler.outputs import TokenLogprobs
+from raytp.openai.requests import resolve_max_tokens, to_sampling_params
+from raytp.openai.stream import RequestStream, merge, start_all
 
 
 class CompletionHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[tuple[str | None, list[int]]]:
         """(text if given as text, token ids) per prompt."""
         if isinstance(prompt, str):
-            return [(prompt, self.ctx.encode(prompt))]
+            return [(prompt, await self.ctx.encode(prompt))]
         if not prompt:
             raise bad_request("prompt must not be empty.", "prompt")
-        out: list[tuple[str | None, list[int]]] = []
         if all(isinstance(p, int) for p in prompt):
-            return [(None, [int(p) for p in prompt])]  # type: ignore[arg-type]
+            return [(None, [p for p in prompt if isinstance(p, int)])]
+        out: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, self.ctx.encode(p)))
+                out.append((p, await self.ctx.encode(p)))
             else:
                 assert isinstance(p, list)
                 out.append((None, list(p)))
         return out
 
-    async def create(self, req: CompletionRequest) -> Response:
+    async def create(self, req: CompletionRequest, request_id: str) -> CompletionResponse | AsyncIterator[str]:
         ctx = self.ctx
         ctx.check_model(req.model)
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise bad_request("best_of greater than n is not supported when streaming.", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported.", "suffix")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompts = self._prompts(req.prompt)
-        gens: list[Generation] = []
+        prompts = await self._prompts(req.prompt)
+        streams: list[RequestStream] = []
         for i, (_, ids) in enumerate(prompts):
-            check_prompt_ids(ids, ctx.vocab_size, ctx.max_model_len, "prompt")
             params = to_sampling_params(
                 req,
                 max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens"),
-                vocab_size=ctx.vocab_size,
-                max_num_seqs=ctx.max_num_seqs,
                 best_of=req.best_of,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             )
-            gens.append(ctx.generation(f"{request_id}-{i}", ids, params))
-        texts = [t if t is not None else ctx.tokenizer.decode(ids) for t, ids in prompts]
-        await start_all(gens)
+            streams.append(ctx.stream(f"{request_id}-{i}", ids, params))
+        texts = [t if t is not None else await ctx.decode(ids) for t, ids in prompts] if req.echo else []
+        await start_all(streams)
         if req.stream:
-            return StreamingResponse(
-                self._stream(req, request_id, gens, texts), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return self._stream(req, request_id, streams, texts)
         try:
-            await asyncio.gather(*(run_to_end(g) for g in gens))
+            outputs = await asyncio.gather(*(s.collect() for s in streams))
         finally:
-            for g in gens:
-                g.close()
-        return JSONResponse(self._response(req, request_id, gens, texts).model_dump())
+            await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+        return self._response(req, request_id, outputs, texts)
 
     def _response(
-        self, req: CompletionRequest, request_id: str, gens: list[Generation], texts: list[str]
+        self, req: CompletionRequest, request_id: str, outputs: list[RequestOutput], texts: list[str]
     ) -> CompletionResponse:
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
-        for pi, gen in enumerate(gens):
-            prompt_tokens += len(gen.prompt_token_ids)
-            for j, seq in enumerate(gen.best(req.n)):
-                completion_tokens += len(seq.token_ids)
-                text, logprobs = seq.text, None
+        for pi, out in enumerate(outputs):
+            prompt_tokens += len(out.prompt_token_ids)
+            for j, c in enumerate(out.outputs):
+                completion_tokens += len(c.token_ids)
+                text, logprobs = c.text, None
                 if req.logprobs is not None:
-                    ids = list(seq.token_ids)
-                    entries: list[TokenLogprobs | None] = list(seq.logprobs)
+                    ids = list(c.token_ids)
+                    entries: list[PositionLogprobs | None] = list(c.logprobs or [])
                     if req.echo:
-                        ids = gen.prompt_token_ids + ids
-                        entries = _prompt_entries(gen) + entries
-                    logprobs = completion_logprobs(ids, entries, req.logprobs, self.ctx.decode_token, 0)
+                        ids = out.prompt_token_ids + ids
+                        entries = _prompt_entries(out.prompt_token_ids, out.prompt_logprobs) + entries
+                    logprobs = completion_logprobs(ids, entries, req.logprobs, 0, self.ctx.decode_token)
                 if req.echo:
                     text = texts[pi] + text
                 choices.append(
@@ -110,15 +103,15 @@ class CompletionHandler:
                         index=pi * req.n + j,
                         text=text,
                         logprobs=logprobs,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
                     )
                 )
         usage = UsageInfo.of(prompt_tokens, completion_tokens)
         return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices, usage=usage)
 
     async def _stream(
-        self, req: CompletionRequest, request_id: str, gens: list[Generation], texts: list[str]
+        self, req: CompletionRequest, request_id: str, streams: list[RequestStream], texts: list[str]
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
@@ -136,42 +129,46 @@ class CompletionHandler:
             return sse(stream_dump(resp, include_usage))
 
         try:
-            for pi, gen in enumerate(gens):
+            for pi, s in enumerate(streams):
                 for j in range(req.n):
                     offsets[(pi, j)] = 0
                     if req.echo:
                         lp = None
                         if req.logprobs is not None:
-                            ids = gen.prompt_token_ids
-                            lp = completion_logprobs(ids, _prompt_entries(gen), req.logprobs, self.ctx.decode_token, 0)
+                            prompt_lps = s.prompt.logprobs if s.prompt is not None else None
+                            entries = _prompt_entries(s.prompt_token_ids, prompt_lps)
+                            lp = completion_logprobs(
+                                s.prompt_token_ids, entries, req.logprobs, 0, self.ctx.decode_token
+                            )
                         offsets[(pi, j)] = len(texts[pi])
                         yield chunk(pi * req.n + j, texts[pi], lp)
             completion_tokens = 0
-            async for pi, updates in merge_updates(gens):
-                for u in updates:
+            async for pi, delta in merge(streams):
+                for u in delta.samples:
                     completion_tokens += len(u.token_ids)
                     lp = None
                     if req.logprobs is not None and u.logprobs:
                         off = offsets[(pi, u.index)]
-                        lp = completion_logprobs(u.token_ids, u.logprobs, req.logprobs, self.ctx.decode_token, off)
-                        offsets[(pi, u.index)] = off + sum(len(s) for s in lp.tokens)
+                        lp = completion_logprobs(u.token_ids, u.logprobs, req.logprobs, off, self.ctx.decode_token)
+                        offsets[(pi, u.index)] = off + sum(len(t) for t in lp.tokens)
                     if u.text or u.finish_reason is not None or lp is not None:
                         yield chunk(pi * req.n + u.index, u.text, lp, u.finish_reason, u.stop_reason)
             if include_usage:
-                usage = UsageInfo.of(sum(len(g.prompt_token_ids) for g in gens), completion_tokens)
+                usage = UsageInfo.of(sum(len(s.prompt_token_ids) for s in streams), completion_tokens)
                 resp = CompletionResponse(
                     id=request_id, created=created, model=self.ctx.model_name, choices=[], usage=usage
                 )
                 yield sse(resp.model_dump())
         except Exception as e:  # headers are gone: report in-band, as OpenAI and vLLM do
-            yield sse(to_openai_error(e).body())
+            yield sse(to_openai_error(e, request_id).body())
         finally:
-            for g in gens:
-                g.close()
+            await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
         yield DONE
 
 
-def _prompt_entries(gen: Generation) -> list[TokenLogprobs | None]:
+def _prompt_entries(
+    prompt_ids: list[int], entries: list[PositionLogprobs | None] | None
+) -> list[PositionLogprobs | None]:
     """Prompt logprob entries aligned to the prompt tokens (the first token has none)."""
-    entries = list(gen.prompt_logprobs or [])
-    return [None] * (len(gen.prompt_token_ids) - len(entries)) + entries
+    got = list(entries or [])
+    return [None] * (len(prompt_ids) - len(got)) + got

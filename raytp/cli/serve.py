@@ -18,7 +18,7 @@ from types import FrameType
 from typing import Any
 
 from cluster.config import EngineConfig
-from cluster.engine_args import add_engine_args
+from raytp.cli.args import add_engine_args
 
 APP_NAME = "raytp"
 
@@ -54,7 +54,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     from ray import serve
 
     from cluster.ray_utils import ensure_ray
-    from cluster.serving.builder import ServeArgs, build_app
+    from serve_app import ServeArgs, build_app
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
     _check_model(sa.engine)
@@ -89,10 +89,10 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
 def _check_model(engine: EngineConfig) -> None:
     """Fail fast (ValueError -> exit 2) on a model that cannot be found or split, before Ray starts:
     inside Serve the same error would surface only as replica constructor retries."""
-    from model_exec.weights import load_model_config, resolve_model
+    from model_exec.source import read_model_config, resolve_model
 
     source = resolve_model(engine.model, engine.revision)
-    load_model_config(source, engine.trust_remote_code).check_tp(engine.tensor_parallel_size)
+    read_model_config(source, engine.trust_remote_code).check_tp(engine.tensor_parallel_size)
 
 
 def _teardown(joined: bool) -> None:

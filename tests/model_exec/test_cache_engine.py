@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv.cache_engine import CacheEngine
+from model_exec.cache_engine import CacheEngine
 
 
 def _engine(num_device_blocks: int = 8, num_cpu_blocks: int = 4) -> CacheEngine:
@@ -42,9 +42,7 @@ def test_shapes_and_zeroed_device_pool() -> None:
 def test_bytes_per_block_and_budget() -> None:
     per_block = CacheEngine.bytes_per_block(30, 3, 64, 16, torch.bfloat16)
     assert per_block == 2 * 30 * 16 * 3 * 64 * 2
-    assert (
-        CacheEngine.num_blocks_for_budget(10 * per_block + per_block - 1, 30, 3, 64, 16, torch.bfloat16) == 10
-    )
+    assert CacheEngine.num_blocks_for_budget(10 * per_block + per_block - 1, 30, 3, 64, 16, torch.bfloat16) == 10
     assert CacheEngine.num_blocks_for_budget(per_block - 1, 30, 3, 64, 16, torch.bfloat16) == 0
     assert CacheEngine.bytes_per_block(1, 1, 1, 1, torch.float32) == 8
 

@@ -9,11 +9,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
-from cluster.outputs import RequestOutput
+from cluster.engine import LLMEngine, PromptType
+from cluster.outputs import RequestOutput, RequestOutputBuilder
 from scheduler.sampling_params import SamplingParams
-
-PromptType = str | dict[str, Any] | list[int]
 
 
 class LLM:
@@ -75,9 +73,7 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -90,16 +86,17 @@ class LLM:
             # that others added to the engine are left running.
             engine.abort_request(ids)
             raise
-        results: dict[str, RequestOutput] = {}
+        # The engine's one output stream: deltas, folded here into whole outputs.
+        builders = {rid: RequestOutputBuilder(rid) for rid in ids}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        wanted = set(ids)
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in wanted:
-                    results[out.request_id] = out
-                    bar.update(1)
+            for delta in engine.step():
+                builder = builders.get(delta.request_id)
+                if builder is not None:
+                    builder.add(delta)
+                    bar.update(int(delta.finished))
         bar.close()
-        return [results[rid] for rid in ids]
+        return [builders[rid].build() for rid in ids]
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -106,9 +106,7 @@ class CacheEngine:
                 )
 
     @staticmethod
-    def bytes_per_block(
-        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block id costs across all layers, keys and values."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size

@@ -4,35 +4,52 @@ Field names, defaults and response shapes follow OpenAI's API; the vLLM extensio
 (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`, ...)
 are accepted under the same names vLLM uses. Unknown request fields are ignored, as vLLM
 does, so clients that send newer OpenAI fields keep working.
+
+The request schemas state types and widths (every number finite, integers within the engine's
+int64/int32 tensors); value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by
+`SamplingParams`, for the HTTP service and the offline API alike. The same models parse batch-job
+bodies, so a batch line accepts exactly what the HTTP server accepts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is one engine request)
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class OpenAIRequest(OpenAIModel):
+    # JSON's Infinity/NaN literals (which Python's json module accepts) are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
 # ----------------------------------------------------------------------------- requests
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(OpenAIRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model (vLLM accepts the omission too)
-    n: int = 1
+    n: Count = 1
     temperature: float | None = None  # None: 1.0, OpenAI's default
     top_p: float | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key string) -> bias
@@ -41,31 +58,38 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for legacy completions
-    best_of: int | None = None
+    # A prompt as text or token ids, or a list of either (at most MAX_PROMPTS prompts).
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | list[TokenId]
+        | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
+    )
+    max_tokens: Count | None = 16  # OpenAI's default for legacy completions
+    best_of: Count | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None  # accepted for compatibility; raytp has no fill-in-the-middle
 
 
-class ContentPart(OpenAIModel):
+class ContentPart(OpenAIRequest):
     type: str
     text: str | None = None
 
 
-class ChatMessageIn(OpenAIModel):
+class ChatMessageIn(OpenAIRequest):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -73,14 +97,14 @@ class ChatMessageIn(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None  # tokenized through the chat template
@@ -88,9 +112,9 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ----------------------------------------------------------------------------- responses

@@ -11,8 +11,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from cluster.engine_args import add_engine_args, engine_config_from_args
-from cluster.serving.launcher import add_serve_parser
+from raytp.cli.args import add_engine_args, engine_config_from_args
+from raytp.cli.serve import add_serve_parser
 from scheduler.sampling_params import SamplingParams
 
 
@@ -52,7 +52,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.llm import LLM
+    from raytp.llm import LLM
 
     params = _sampling_params(args)  # validate flags before loading anything
     config = engine_config_from_args(args)
@@ -66,16 +66,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             record = {
                 "prompt": prompt,
                 "outputs": [
-                    {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-                    for c in out.outputs
+                    {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in out.outputs
                 ],
             }
             print(json.dumps(record))
         else:
             for c in out.outputs:
-                print(
-                    f"--- prompt: {prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]"
-                )
+                print(f"--- prompt: {prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]")
     llm.llm_engine.shutdown()
     return 0
 
@@ -86,9 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions offline for a few prompts")
     gen.add_argument("--model", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    gen.add_argument(
-        "--chat", action="store_true", help="treat each prompt as a user message (chat template)"
-    )
+    gen.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
     _add_sampling_args(gen)
     add_engine_args(gen)

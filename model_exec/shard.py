@@ -1,0 +1,169 @@
+"""ModelShard: everything one tensor-parallel rank does with tensors.
+
+Its model shard (built on the device, weights streamed in), its KV cache (`CacheEngine`) and its
+model runner. `cluster.worker.Worker` (the rank's protocol, in-process or as a Ray actor) creates
+one in `load_model`; keeping the tensors here keeps the worker module, and so the controller that
+starts the worker actors, free of torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from model_exec.cache_engine import CacheEngine
+from model_exec.config import ModelConfig
+from model_exec.model_runner import ModelRunner, profile_forward
+from model_exec.models import build_model
+from model_exec.parallel import TPGroup, init_tp_group
+from model_exec.source import ModelSource
+from model_exec.weights import iter_weights
+from ops.attention import get_attn_backend
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """ "auto": CUDA when visible, else the CPU."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but no CUDA device is visible.")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPE_NAMES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision GEMMs are slow and the reference (HF fp32) is exact
+    ckpt = model_config.torch_dtype
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return CacheEngine.bytes_per_block(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+        )
+
+
+class ModelShard:
+    def __init__(
+        self,
+        source: ModelSource,
+        model_config: ModelConfig,
+        *,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+        device: str,
+        dtype: str,
+        attention_backend: str,
+        block_size: int,
+    ) -> None:
+        """Join the TP group, build this rank's shard on its device and stream its weights in."""
+        self.device = resolve_device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if world_size == 1:
+            self.tp = TPGroup.single()
+        else:
+            assert dist_init_method is not None
+            backend: Literal["gloo", "nccl"] = "nccl" if self.device.type == "cuda" else "gloo"
+            self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
+        model_config.check_tp(world_size)
+        torch_dtype = resolve_dtype(dtype, model_config, self.device)
+        attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
+        model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
+        model.load_weights(iter_weights(source))
+        self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids)
+        self.cache_shape = CacheShape(
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=model_config.num_key_value_heads // world_size,
+            head_dim=model_config.head_dim,
+            block_size=block_size,
+            dtype=torch_dtype,
+        )
+        self.cache: CacheEngine | None = None
+        logger.info("rank %d loaded %s (%s, %s)", rank, source.name, torch_dtype, self.device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.cache_shape.bytes_per_block
+
+    def profile_cuda_blocks(self, max_batched_tokens: int, max_num_seqs: int, gpu_memory_utilization: float) -> int:
+        """Run the largest batch once; what gpu_memory_utilization leaves after the peak goes to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile_forward(self.runner, max_batched_tokens, max_num_seqs, self._scratch_cache)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_for_kv = int(total * gpu_memory_utilization) - peak
+        torch.cuda.empty_cache()
+        if free_for_kv < self.bytes_per_block:
+            raise ValueError(
+                f"no room for the KV cache: the profile run peaked at {peak / 2**30:.2f} GiB of "
+                f"{total / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens."
+            )
+        return free_for_kv // self.bytes_per_block
+
+    def _scratch_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.cache_shape
+        shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=s.dtype, device=self.device),
+                torch.zeros(shape, dtype=s.dtype, device=self.device),
+            )
+            for _ in range(s.num_layers)
+        ]
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        s = self.cache_shape
+        self.cache = CacheEngine(
+            num_layers=s.num_layers,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            block_size=s.block_size,
+            num_device_blocks=num_device_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            dtype=s.dtype,
+            device=self.device,
+        )
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""
+        assert self.cache is not None, "init_cache first"
+        # Order matters: swap-out reads blocks that the same step may hand to others.
+        if so.blocks_to_swap_out:
+            self.cache.swap_out(so.blocks_to_swap_out)
+        if so.blocks_to_swap_in:
+            self.cache.swap_in(so.blocks_to_swap_in)
+        if so.blocks_to_copy:
+            self.cache.copy(so.blocks_to_copy)
+        return self.runner.execute(so, self.cache.device_caches)
+
+    def shutdown(self) -> None:
+        self.tp.destroy()

@@ -1,0 +1,122 @@
+"""What every route handler of one ingress replica shares: the engine client, the model's identity and
+its tokenizer, and SSE framing.
+
+Tokenizing user input can take long (a prompt of megabytes), so it never runs on the event loop:
+`encode`, `chat_prompt_ids` and `decode` run in a small thread pool of their own, and a prompt with
+more characters than `max_model_len` tokens could ever hold is refused before it is tokenized at all
+(a token's text is at most `max_token_chars` characters long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from raytp.openai.errors import OpenAIError, bad_request
+from raytp.openai.protocol import ChatMessageIn
+from raytp.openai.stream import EngineClient, RequestStream
+from scheduler.errors import PromptTooLongError
+from scheduler.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_TOKENIZER_THREADS = 2
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event exactly as OpenAI frames it: `data: {json}` and a blank line."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest text any single token decodes to (bounds how many characters a token can cover)."""
+    backend = tokenizer.backend_tokenizer
+    return max(1, *(len(backend.decode([i], skip_special_tokens=False)) for i in range(backend.get_vocab_size())))
+
+
+@dataclass
+class ServingContext:
+    client: EngineClient  # reaches the model replicas
+    tokenizer: Any
+    model_name: str  # the name clients must send as `model`
+    max_model_len: int
+    vocab_size: int
+    max_token_chars: int  # see max_token_chars()
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="raytp-tokenize")
+    )
+
+    def __post_init__(self) -> None:
+        # One decode per distinct token id (echo's first prompt token has no logprob entry to carry its text).
+        self.decode_token = functools.lru_cache(maxsize=65536)(self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_name:
+            raise OpenAIError(
+                f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                404,
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        return RequestStream(self.client, request_id, prompt_token_ids, params)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens; your {param} has "
+                f"{num_chars} characters, more than that many tokens can hold.",
+                param,
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self._check_chars(len(text), param)
+        ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return list(ids)
+
+    async def decode(self, ids: list[int]) -> str:
+        return str(await self._off_loop(self.tokenizer.decode, ids))
+
+    async def chat_prompt_ids(self, messages: Iterable[ChatMessageIn], add_generation_prompt: bool) -> list[int]:
+        """The conversation through the model's chat template (as `LLM.chat` does offline)."""
+        convo = [{"role": m.role, "content": _content_text(m)} for m in messages]
+        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in convo), "messages")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+        try:
+            ids = await self._off_loop(self._apply_template, convo, add_generation_prompt)
+        except Exception as e:  # jinja's TemplateError and friends: the conversation does not fit the template
+            raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages") from None
+        return ids
+
+    def _apply_template(self, convo: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def _content_text(m: ChatMessageIn) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for p in m.content:
+        if p.type != "text" or p.text is None:
+            raise bad_request(f"messages content parts of type {p.type!r} are not supported (text only).", "messages")
+        parts.append(p.text)
+    return "\n".join(parts)
