@@ -17,7 +17,7 @@ import torch
 from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.model_runner import ModelRunner, profile_forward
-from model_exec.models import build_model
+from model_exec.models import build_model, pack_weights
 from model_exec.parallel import TPGroup, init_tp_group
 from model_exec.source import ModelSource
 from model_exec.weights import iter_weights
@@ -97,6 +97,7 @@ class ModelShard:
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
         model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
         model.load_weights(iter_weights(source))
+        pack_weights(model)
         self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids)
         self.cache_shape = CacheShape(
             num_layers=model_config.num_hidden_layers,

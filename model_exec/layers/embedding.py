@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_exec.layers import cpu_gemm
 from model_exec.layers.linear import copy_shard
 from model_exec.parallel import TPGroup
 
@@ -83,11 +84,30 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         shared = None if tied_to is None else tied_to.weight
         super().__init__(num_embeddings, embedding_dim, tp, params_dtype, shared)
+        self.tied = tied_to is not None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN copy for compute_logits, see pack_weights
+
+    def pack_weights(self) -> bool:
+        """Give compute_logits a oneDNN-packed copy of the weight when it can run there; True if it did.
+
+        A tied head leaves the embedding its dense weight (token lookup needs it), so packing costs one
+        more copy of the vocabulary matrix (113 MB for SmolLM2-135M); it halves the head's time at
+        batch 64 on 2 cores. An untied head releases its dense weight, as linear layers do.
+        """
+        if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
+            self.packed_weight = cpu_gemm.pack_weight(self.weight)
+            if not self.tied:
+                self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
+        return self.packed_weight is not None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied through compute_logits(hidden)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab_size] on rank 0; None on other ranks."""
-        gathered = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
+        if self.packed_weight is not None:
+            local = cpu_gemm.packed_linear(hidden, self.packed_weight, None)
+        else:
+            local = F.linear(hidden, self.weight)
+        gathered = self.tp.gather(local, dim=-1)
         return None if gathered is None else gathered[..., : self.num_embeddings]

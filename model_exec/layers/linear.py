@@ -9,6 +9,10 @@ Parameters are allocated with `torch.empty` at their per-rank shape, in `params_
 Column-parallel layers split output features across ranks and never gather: their
 output feeds an activation or attention that works per shard. Row-parallel layers
 split input features and all-reduce the partial sums.
+
+After loading, `pack_weights()` may move a weight into oneDNN's blocked layout (fp32 on the CPU,
+see `cpu_gemm`); the dense copy is then released and `forward` runs the packed product. Weights
+load once, before packing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_exec.layers import cpu_gemm
 from model_exec.parallel import TPGroup
 
 
@@ -76,11 +81,29 @@ class LinearBase(nn.Module):
         )
         _set_loader(self.weight, self.weight_loader)
         _set_loader(self.bias, self.weight_loader)
+        # oneDNN copy of `weight`, set by pack_weights(); when set, `weight` holds no data.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         raise NotImplementedError
+
+    def pack_weights(self) -> bool:
+        """Move the loaded weight into oneDNN's layout when it can run there; True if it did.
+
+        The parameter keeps its shape but becomes a zero-stride view of one element (no memory), so
+        loading into it afterwards fails loudly instead of writing a matrix nobody reads.
+        """
+        if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
+            self.packed_weight = cpu_gemm.pack_weight(self.weight)
+            self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
+        return self.packed_weight is not None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_gemm.packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -92,7 +115,7 @@ class ReplicatedLinear(LinearBase):
         copy_shard(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -115,7 +138,7 @@ class ColumnParallelLinear(LinearBase):
         copy_shard(param.data, shard_of(loaded_weight, 0, size, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -216,5 +239,5 @@ class RowParallelLinear(LinearBase):
         copy_shard(param.data, shard_of(loaded_weight, 1, size, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -31,6 +31,8 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
 
 # architecture -> (module, class)
 _MODELS: Mapping[str, tuple[str, str]] = {
@@ -73,3 +75,13 @@ def build_model(
         model = cls(config, tp, attn_backend)
     model.eval()
     return model  # type: ignore[return-value]  # nn.Module subclasses satisfy CausalLM
+
+
+def pack_weights(model: CausalLM) -> int:
+    """After `load_weights`: let every layer that can move its weight into a faster layout for its
+    device (oneDNN on the CPU, see `layers.cpu_gemm`). Returns how many layers did. Weights cannot be
+    loaded again afterwards."""
+    from model_exec.layers.embedding import ParallelLMHead
+    from model_exec.layers.linear import LinearBase
+
+    return sum(1 for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.pack_weights())

@@ -218,7 +218,7 @@ def load_our_model(
     model: str | None, tp: TPGroup | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.nn.Module, Any]:
     """(our model shard with weights loaded, its ModelConfig) for a model name/path (None: default)."""
-    from model_exec.models import build_model
+    from model_exec.models import build_model, pack_weights
     from model_exec.source import read_model_config, resolve_model
     from model_exec.weights import iter_weights
     from ops.attention import get_attn_backend
@@ -228,6 +228,7 @@ def load_our_model(
     config = read_model_config(src)
     net = build_model(config, tp, get_attn_backend("torch", device), device, dtype)
     net.load_weights(iter_weights(src))
+    pack_weights(net)  # as the engine's ModelShard does: parity covers the packed (default) path
     return net, config
 
 
