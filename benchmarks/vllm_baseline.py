@@ -60,7 +60,6 @@ def server_command(model_dir: str, port: int) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
-        "--disable-log-requests",
     ]
 
 
