@@ -1,17 +1,26 @@
-"""Online serving benchmark: Poisson arrivals against the OpenAI endpoint, streamed.
+"""Online serving benchmark: Poisson arrivals against OpenAI endpoints, streamed; raytp alone or against vLLM.
 
-Workload (vLLM's "random" dataset style): `--num-prompts` requests with random token-id
-prompts of `--input-len` tokens and `--output-len` output tokens (uniform ranges, fixed
-seed, ignore_eos so every request generates exactly what it asked for), greedy. Requests
-arrive as a Poisson process at `--request-rate` per second (inf: all at once), each as a
-streaming /v1/completions call with usage.
+Workload (vLLM's "random" dataset style): `--num-prompts` requests with random token-id prompts of
+`--input-len` tokens and `--output-len` output tokens (uniform ranges, seeded, ignore_eos so every
+request generates exactly what it asked for), greedy. Requests arrive as a Poisson process at
+`--request-rate` per second (inf: all at once), each a streaming /v1/completions call with usage.
 
-    python benchmarks/serving.py --request-rate 2 --num-prompts 64      # starts its own server
-    python benchmarks/serving.py --base-url http://127.0.0.1:8000 ...   # or measures a running one
+    python benchmarks/serving.py --request-rate 2 --num-prompts 64      # starts raytp in this process
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 ...   # or measures a running server
+    python benchmarks/serving.py --baseline vllm --request-rate 1 --num-prompts 32 --rounds 2
+    python benchmarks/serving.py --baseline vllm --find-max-rate        # highest sustained rate of each
 
-Reports request and token throughput, TTFT (time to the first streamed token), ITL (gaps
-between streamed chunks of one request, i.e. inter-token latency) and end-to-end latency,
-each as mean / p50 / p99.
+`--baseline vllm` starts `raytp serve` and vLLM's OpenAI server as subprocesses on the same fp32
+safetensors directory with the same 4 GiB KV budget, then measures them in interleaved rounds (raytp,
+vLLM, raytp, vLLM, ...), each round a fresh request set (no prefix cache helps) with the same arrival
+times for both. Reports completed req/s, TTFT and ITL (gaps between streamed chunks of a request)
+p50/p99 per engine (medians over rounds), peak memory of each server's process tree, and the ratios.
+
+`--find-max-rate` searches each server's highest sustained request rate: doubling from
+`--start-rate` until a rate is not sustained, then bisecting `--search-steps` times; each probe
+sends max(`--num-prompts`, rate x `--probe-seconds`) requests. Sustained means every request
+completed and the seconds per output token of the last third of arrivals stayed within 2x the first
+third's (`serving_load.sustained`). With a baseline the two searches advance probe by probe.
 """
 
 from __future__ import annotations
@@ -19,134 +28,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
+import math
 import statistics
-import time
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
-import aiohttp
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serving_load import run_load, summarize
+from benchmarks.workload import Request, random_requests
+
+RateSearch = Generator[float, bool, float]
 
 
-@dataclass
-class Result:
-    ok: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
+def workload(args: argparse.Namespace, n: int, round_index: int) -> list[Request]:
+    return random_requests(n, tuple(args.input_len), tuple(args.output_len), args.vocab, args.seed, round_index)
 
 
-def make_workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    lo_in, hi_in = args.input_len
-    lo_out, hi_out = args.output_len
-    return [
-        ([rng.randrange(100, args.vocab) for _ in range(rng.randint(lo_in, hi_in))], rng.randint(lo_out, hi_out))
-        for _ in range(args.num_prompts)
-    ]
+def measure(args: argparse.Namespace, base_url: str, work: list[Request], rate: float) -> dict[str, Any]:
+    results, duration = asyncio.run(run_load(base_url, work, rate, args.seed + 1, args.headers))
+    return summarize(results, duration, rate)
 
 
-async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
-) -> Result:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    res = Result()
-    start = last = time.perf_counter()
-    try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return res
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"]["message"]
-                    return res
-                if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        res.latency = time.perf_counter() - start
-        res.ok = res.output_tokens == max_tokens
-        if not res.ok:
-            res.error = f"got {res.output_tokens} tokens, asked for {max_tokens}"
-    except aiohttp.ClientError as e:
-        res.error = repr(e)
-    return res
-
-
-async def run(args: argparse.Namespace, base_url: str) -> tuple[list[Result], float]:
-    work = make_workload(args)
-    rng = random.Random(args.seed + 1)
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        async with session.get(f"{base_url}/v1/models", headers=args.headers) as resp:
-            model = (await resp.json())["data"][0]["id"]
-        session.headers.update(args.headers)
-        url = f"{base_url}/v1/completions"
-        tasks = []
-        t0 = time.perf_counter()
-        for prompt, max_tokens in work:
-            tasks.append(asyncio.create_task(one_request(session, url, model, prompt, max_tokens)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
-
-
-def report(args: argparse.Namespace, results: list[Result], duration: float) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    ttft = [r.ttft for r in ok]
-    itl = [x for r in ok for x in r.itl]
-    e2e = [r.latency for r in ok]
-    summary: dict[str, Any] = {
-        "request_rate": args.request_rate,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_token_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "prompt_tokens": in_tokens,
-        "output_tokens": out_tokens,
-    }
-    for name, xs in (("ttft", ttft), ("itl", itl), ("e2e_latency", e2e)):
-        summary[f"{name}_mean_ms"] = 1000 * statistics.fmean(xs) if xs else float("nan")
-        summary[f"{name}_p50_ms"] = 1000 * pct(xs, 50)
-        summary[f"{name}_p99_ms"] = 1000 * pct(xs, 99)
-    errors = sorted({r.error for r in results if not r.ok})
-    print(f"{'requests completed / failed':<36}{len(ok)} / {len(results) - len(ok)}")
-    print(f"{'duration (s)':<36}{duration:.1f}")
-    print(f"{'request throughput (req/s)':<36}{summary['request_throughput']:.2f}")
+def print_summary(summary: dict[str, Any]) -> None:
+    print(f"{'requests completed / failed':<36}{summary['completed']:g} / {summary['failed']:g}")
+    print(f"{'duration (s)':<36}{summary['duration_s']:.1f}")
+    print(
+        f"{'request throughput (req/s)':<36}{summary['request_throughput']:.2f}"
+        f"  (offered {summary['offered_rate']:.2f})"
+    )
     print(f"{'output throughput (tok/s)':<36}{summary['output_token_throughput']:.1f}")
     print(f"{'total throughput (tok/s)':<36}{summary['total_token_throughput']:.1f}")
     for name, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
@@ -154,23 +67,65 @@ def report(args: argparse.Namespace, results: list[Result], duration: float) -> 
             f"{label + ' mean / p50 / p99 (ms)':<36}{summary[name + '_mean_ms']:.1f} / "
             f"{summary[name + '_p50_ms']:.1f} / {summary[name + '_p99_ms']:.1f}"
         )
-    for e in errors[:5]:
+    for e in summary["errors"]:
         print("error:", e)
-    return summary
 
 
-def start_server(args: argparse.Namespace) -> str:
+def rate_search(start: float, limit: float, steps: int) -> RateSearch:
+    """Yields rates to probe, is sent whether each was sustained; returns the highest sustained one (0: none)."""
+    good, bad, rate = 0.0, math.inf, start
+    while rate <= limit:
+        if (yield rate):
+            good, rate = rate, rate * 2
+        else:
+            bad = rate
+            break
+    if bad == math.inf:
+        return good
+    for _ in range(steps):
+        mid = (good + bad) / 2 if good else bad / 2
+        if (yield mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def find_max_rates(args: argparse.Namespace, servers: dict[str, str]) -> dict[str, float]:
+    """Each server's highest sustained rate; the searches take turns, one probe each per turn."""
+    searches = {name: rate_search(args.start_rate, args.max_rate, args.search_steps) for name in servers}
+    next_rate = {name: next(s) for name, s in searches.items()}
+    found: dict[str, float] = {}
+    probe = 0
+    while next_rate:
+        probe += 1
+        for name, rate in list(next_rate.items()):
+            n = max(args.num_prompts, math.ceil(rate * args.probe_seconds))
+            summary = measure(args, servers[name], workload(args, n, 1000 + probe), rate)
+            ok = summary["sustained"]
+            print(
+                f"probe {probe} {name:>5} @ {rate:6.2f} req/s ({n} req): {'sustained' if ok else 'NOT sustained'}; "
+                f"{summary['request_throughput']:.2f} req/s done, TTFT p50 {summary['ttft_p50_ms']:.0f} ms, "
+                f"ITL p50 {summary['itl_p50_ms']:.0f} ms, failed {summary['failed']}",
+                flush=True,
+            )
+            try:
+                next_rate[name] = searches[name].send(ok)
+            except StopIteration as done:
+                found[name] = done.value
+                del next_rate[name]
+    return found
+
+
+def start_inprocess_server(args: argparse.Namespace) -> str:
     """An in-process server (this process is the Ray driver) on a free local port."""
-    import socket
-
     import ray
     from ray import serve
 
+    from benchmarks.servers import free_port
     from serve_app import build_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine: dict[str, Any] = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size}
@@ -180,29 +135,20 @@ def start_server(args: argparse.Namespace) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default=None, help="a running server; default: start one in this process")
-    p.add_argument("--model", default=None, help="model for the started server (default: embedded SmolLM2)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--request-rate", type=float, default=2.0, help="requests/s (Poisson); inf = all at once")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [100, VOCAB)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the summary to this file")
-    args = p.parse_args()
-    args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    base_url = args.base_url or start_server(args)
+def run_alone(args: argparse.Namespace) -> None:
+    base_url = (args.base_url or start_inprocess_server(args)).rstrip("/")
     try:
-        results, duration = asyncio.run(run(args, base_url.rstrip("/")))
-        summary = report(args, results, duration)
+        if args.find_max_rate:
+            print(f"highest sustained rate: {find_max_rates(args, {'raytp': base_url})['raytp']:.2f} req/s")
+            return
+        summaries = [
+            measure(args, base_url, workload(args, args.num_prompts, r), args.request_rate) for r in range(args.rounds)
+        ]
+        for s in summaries:
+            print_summary(s)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2)
+                json.dump(summaries[-1] if len(summaries) == 1 else summaries, f, indent=2)
     finally:
         if args.base_url is None:
             import ray
@@ -210,6 +156,113 @@ def main() -> None:
 
             serve.shutdown()
             ray.shutdown()
+
+
+def run_against_vllm(args: argparse.Namespace) -> None:
+    from benchmarks.hf_model import hf_model_dir
+    from benchmarks.servers import free_port, start_raytp, start_vllm
+
+    model_dir = hf_model_dir(args.model)
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    # Both boot at once (boot time is not measured); vLLM first, it takes longer.
+    vllm = start_vllm(model_dir, free_port(), open(logs / "vllm.log", "wb"))  # noqa: SIM115 (the server's lifetime)
+    raytp = start_raytp(model_dir, free_port(), open(logs / "raytp.log", "wb"), args.raytp_arg)  # noqa: SIM115
+    try:
+        for srv in (raytp, vllm):
+            print(f"{srv.name} ready after {srv.wait_ready():.0f} s at {srv.base_url} (log: {logs / srv.name}.log)")
+        urls = {"raytp": raytp.base_url, "vllm": vllm.base_url}
+        if args.find_max_rate:
+            found = find_max_rates(args, urls)
+            print(f"highest sustained rate: raytp {found['raytp']:.2f} req/s, vllm {found['vllm']:.2f} req/s")
+            if found["vllm"]:
+                print(f"raytp / vllm: {found['raytp'] / found['vllm']:.2f}x")
+            return
+        summaries: dict[str, list[dict[str, Any]]] = {"raytp": [], "vllm": []}
+        for r in range(args.rounds):
+            work = workload(args, args.num_prompts, r)
+            for name, url in urls.items():
+                s = measure(args, url, work, args.request_rate)
+                summaries[name].append(s)
+                print(
+                    f"round {r + 1} {name:>5}: {s['request_throughput']:.2f} req/s, "
+                    f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, failed {s['failed']}",
+                    flush=True,
+                )
+        med = {name: _medians(ss) for name, ss in summaries.items()}
+        for name in urls:
+            print(f"\n== {name} (median of {args.rounds} round(s))")
+            print_summary(med[name])
+        _print_table(args, med)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summaries, f, indent=2)
+    finally:
+        for srv in (raytp, vllm):
+            tree, engine = srv.stop()
+            print(
+                f"{srv.name} server: {tree.describe()}"
+                + (f"; without Ray's daemons: {engine.describe()}" if engine else "")
+            )
+
+
+def _medians(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(summaries[0])
+    for key, value in summaries[0].items():
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            out[key] = statistics.median(s[key] for s in summaries)
+    out["errors"] = sorted({e for s in summaries for e in s["errors"]})[:5]
+    return out
+
+
+def _print_table(args: argparse.Namespace, med: dict[str, dict[str, Any]]) -> None:
+    """The issue's serving row, ready to paste."""
+
+    def cell(s: dict[str, Any]) -> str:
+        return (
+            f"{s['request_throughput']:.2f} req/s; TTFT p50 {s['ttft_p50_ms']:,.0f} ms (p99 {s['ttft_p99_ms']:,.0f}); "
+            f"ITL p50 {s['itl_p50_ms']:,.0f} ms (p99 {s['itl_p99_ms']:,.0f})"
+        )
+
+    r, v = med["raytp"], med["vllm"]
+    print("\n| workload | vllm | raytp | raytp / vllm |\n| --- | --- | --- | --- |")
+    print(
+        f"| serve, --request-rate {args.request_rate:g} --num-prompts {args.num_prompts} | {cell(v)} | {cell(r)} "
+        f"| {r['request_throughput'] / v['request_throughput']:.2f}× req/s |"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", choices=("vllm", "none"), default="none")
+    p.add_argument("--base-url", default=None, help="measure a running server (no baseline); default: start raytp")
+    p.add_argument("--model", default=None, help="model for the started server(s) (default: embedded SmolLM2)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-rate", type=float, default=2.0, help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [100, VOCAB - 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds, fresh prompts each (medians reported)")
+    p.add_argument("--find-max-rate", action="store_true", help="search the highest sustained request rate")
+    p.add_argument("--start-rate", type=float, default=0.5)
+    p.add_argument("--max-rate", type=float, default=64.0)
+    p.add_argument("--search-steps", type=int, default=3, help="bisection steps after the doubling phase")
+    p.add_argument("--probe-seconds", type=float, default=30.0, help="arrival window of each search probe")
+    p.add_argument("--raytp-arg", action="append", default=[], help="extra `raytp serve` flag (repeatable)")
+    p.add_argument("--log-dir", default="/tmp/raytp-serving-bench", help="the servers' logs (with --baseline)")
+    p.add_argument("--json", default=None, help="also write the summaries to this file")
+    args = p.parse_args()
+    args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.baseline == "vllm":
+        if args.base_url:
+            p.error("--baseline vllm starts both servers itself; --base-url is for measuring one running server")
+        run_against_vllm(args)
+    else:
+        run_alone(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""OpenAI-compatible servers as benchmark subprocesses: `raytp serve` and vLLM's api_server, side by side.
+
+Each server runs in a session of its own (so a stuck one can be ended with its whole process group)
+and has its process tree's memory sampled from start to stop. `raytp serve` starts a private local Ray
+instance (RAY_ADDRESS is removed from its environment), so its tree holds every process it costs:
+the driver, Ray's GCS and raylet, the Serve proxy, the LLMServer replica and the engine actors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+from benchmarks.proc_mem import MemPeak, PeakSampler
+from benchmarks.vllm_baseline import DTYPE, KV_CACHE_BYTES, server_command, vllm_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class ServerProcess:
+    """One server: started at construction, `wait_ready` polls /v1/models, `stop` ends it and returns its memory."""
+
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], port: int, log: IO[bytes] | None, ray_tree: bool
+    ) -> None:
+        self.name = name
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.memory = PeakSampler(self.proc.pid).start()
+        # For a Ray tree, also the engine's own processes (driver + `ray::` workers) without Ray's daemons.
+        self.engine_memory = PeakSampler(self.proc.pid, engine_only=True).start() if ray_tree else None
+        self.started = time.perf_counter()
+
+    def wait_ready(self, timeout_s: float = 900.0) -> float:
+        """Seconds from start until /v1/models answers; raises if the server dies or never answers."""
+        deadline = self.started + timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with code {self.proc.returncode} (see its log)")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=5) as resp:
+                    if resp.status == 200:
+                        return time.perf_counter() - self.started
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} server not ready after {timeout_s:.0f} s")
+
+    def stop(self) -> tuple[MemPeak, MemPeak | None]:
+        """(whole tree, Ray workers + driver) peak memory; SIGINT first (both servers shut down cleanly on it)."""
+        peaks = self.memory.stop(), self.engine_memory.stop() if self.engine_memory else None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: only what this server started
+                self.proc.wait()
+        return peaks
+
+
+def start_raytp(model_dir: str, port: int, log: IO[bytes] | None, extra: list[str]) -> ServerProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    raytp = str(Path(sys.executable).with_name("raytp"))
+    cmd = [raytp, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", DTYPE]
+    cmd += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra]
+    return ServerProcess("raytp", cmd, env, port, log, ray_tree=True)
+
+
+def start_vllm(model_dir: str, port: int, log: IO[bytes] | None) -> ServerProcess:
+    return ServerProcess("vllm", server_command(model_dir, port), vllm_env(), port, log, ray_tree=False)

@@ -1,0 +1,158 @@
+"""The serving benchmark's load: Poisson arrivals of streamed /v1/completions calls, and what they measured.
+
+Any OpenAI-compatible server works (raytp serve, vLLM's api_server): token-id prompts, ignore_eos,
+greedy, `stream_options.include_usage`, so every request generates exactly what it asked for and the
+server's own usage block confirms it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from benchmarks.workload import Request
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    sent: float = 0.0  # perf_counter when the request left
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = Result()
+    start = last = res.sent = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.ok = res.output_tokens == max_tokens
+        if not res.ok:
+            res.error = f"got {res.output_tokens} tokens, asked for {max_tokens}"
+    except aiohttp.ClientError as e:
+        res.error = repr(e)
+    return res
+
+
+async def run_load(
+    base_url: str, work: list[Request], rate: float, arrival_seed: int, headers: dict[str, str]
+) -> tuple[list[Result], float]:
+    """Sends `work` in order at Poisson `rate` (inf: all at once); (results in arrival order, seconds)."""
+    rng = random.Random(arrival_seed)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
+            model = (await resp.json())["data"][0]["id"]
+        session.headers.update(headers)
+        url = f"{base_url}/v1/completions"
+        tasks = []
+        t0 = time.perf_counter()
+        for prompt, max_tokens in work:
+            tasks.append(asyncio.create_task(one_request(session, url, model, prompt, max_tokens)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t0
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def summarize(results: list[Result], duration: float, rate: float) -> dict[str, Any]:
+    """Throughput and latency figures (ms) of one run; `errors` lists up to five distinct failures."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    sends = [r.sent for r in results]
+    span = max(sends) - min(sends)
+    summary: dict[str, Any] = {
+        "request_rate": rate,
+        # what the Poisson draw actually offered: requests over the span of their arrivals
+        "offered_rate": (len(results) - 1) / span if span > 0 else float("inf"),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "sustained": sustained(results),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "itl": [x for r in ok for x in r.itl],
+        "e2e_latency": [r.latency for r in ok],
+    }
+    for name, xs in series.items():
+        summary[f"{name}_mean_ms"] = 1000 * statistics.fmean(xs) if xs else float("nan")
+        summary[f"{name}_p50_ms"] = 1000 * pct(xs, 50)
+        summary[f"{name}_p99_ms"] = 1000 * pct(xs, 99)
+    return summary
+
+
+def sustained(results: list[Result], growth_limit: float = 2.0) -> bool:
+    """Whether the server kept up with the arrivals: every request completed and latency did not grow.
+
+    A server that keeps up serves late arrivals about as fast as early ones; one that does not builds
+    a backlog, so the time each request takes per output token (waiting included) rises with its
+    arrival index for as long as arrivals continue. Decision: compare the median seconds per output
+    token of the last third of arrivals with the first third's; beyond `growth_limit` the backlog grew.
+    (Completed req/s against the offered rate is printed too, but a finite run's drain tail lowers it
+    even when the server keeps up, so it cannot decide alone.)
+    """
+    if not results or not all(r.ok for r in results):
+        return False
+    per_token = [r.latency / r.output_tokens for r in results]
+    third = max(1, len(per_token) // 3)
+    first, last = statistics.median(per_token[:third]), statistics.median(per_token[-third:])
+    return last <= growth_limit * first
