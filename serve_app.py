@@ -37,6 +37,7 @@ from starlette.responses import Response
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError
+from cluster.metrics.endpoint import CONTENT_TYPE, application_metrics
 from cluster.outputs import RequestDelta
 from model_exec.source import load_tokenizer, resolve_model
 from raytp.openai.app import API_KEY_ENV, build_api, json_response
@@ -87,7 +88,10 @@ class LLMServer:
         ctx = serve.get_replica_context()
         # Named after the replica so operators (and tests) can find it in `ray list actors`.
         name = f"EngineController:{ctx.app_name}:{ctx.replica_id.unique_id}"
-        self._controller = EngineController.options(name=name).remote(engine_config)  # type: ignore[attr-defined]
+        # The replica id labels this engine's metrics (`replica`), as Serve's own series name replicas.
+        self._controller = EngineController.options(name=name).remote(  # type: ignore[attr-defined]
+            engine_config, replica=ctx.replica_id.unique_id
+        )
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
         # Waiting here keeps the replica from reporting ready before the model is loaded.
@@ -206,6 +210,13 @@ class OpenAIIngress:
         api.state.api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
         self._completions = CompletionHandler(self.ctx)
         self._chat = ChatHandler(self.ctx)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: the raytp and Ray Serve series of every node, as Ray's metrics agents export
+        them (a pass-through, no second aggregation: cluster/metrics/endpoint.py). Not behind the API key,
+        like `vllm serve`'s /metrics. Scrape this or the nodes' metrics ports, not both."""
+        return Response(await application_metrics(), media_type=CONTENT_TYPE)
 
     @api.get("/health")
     async def health(self) -> Response:

@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,7 +35,12 @@ import ray
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError, LLMEngine
+from cluster.engine_stats import EngineStatsCollector
+from cluster.metrics.ray_metrics import EngineMetrics
+from cluster.metrics.stats import IterationStats
 from cluster.outputs import RequestDelta
+from cluster.ray_executor import RankFailedError
+from scheduler.outputs import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,7 +50,9 @@ MAX_CONCURRENT_CALLS = 4096  # each open stream holds one actor call slot for it
 
 @ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS)  # type: ignore[call-overload]  # actor options untyped
 class EngineController:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, replica: str | None = None) -> None:
+        """replica: the `replica` label of this engine's metrics (the Serve replica id; default: this
+        actor's name, else its id)."""
         if config.distributed_executor_backend is None:
             config = dataclasses.replace(config, distributed_executor_backend="ray")
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
@@ -55,6 +63,17 @@ class EngineController:
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}  # request id -> its stream's deltas
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
+        # Metrics are recorded here, on the event loop thread, where the scheduler and the stream of
+        # deltas to every caller live (see cluster/engine_stats.py); the workers record their step times.
+        ctx = ray.get_runtime_context()
+        replica = replica or ctx.get_actor_name() or ctx.get_actor_id() or "local"
+        self._stats = EngineStatsCollector(self.engine.scheduler, self.engine.block_manager)
+        self._metrics = EngineMetrics(self.engine.model_name, replica, num_ranks=config.tensor_parallel_size)
+        self.engine.executor.start_metrics(self.engine.model_name, replica)
+        # Every gauge and counter exists (at 0) before the first request, so increase() sees its first rise.
+        self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
+        self._metrics.record_iteration_stats(IterationStats())
+        self._metrics.record_health(True)
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -81,7 +100,8 @@ class EngineController:
             raise EngineDeadError("the controller is shut down")
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        group = self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        self._stats.add_request(request_id, params, group.arrival_time)
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         if self._loop_task is None or self._loop_task.done():
@@ -96,27 +116,41 @@ class EngineController:
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while self.engine.has_unfinished_requests() and self.engine.dead is None:
+            start = time.monotonic()
             so = self.engine.schedule()
             try:
                 result = await loop.run_in_executor(self._step_thread, self.engine.execute, so)
             except Exception as e:
                 self._on_engine_failure(e)
                 return
-            self._publish(self.engine.update(so, result))
+            self._publish(self.engine.update(so, result), so, start)
             # Let queued adds/aborts and stream consumers run; an empty step (nothing schedulable) backs off.
             await asyncio.sleep(0 if not so.is_empty else 0.005)
+        # The loop stops when nothing is in flight: leave the gauges at the idle state (the recorder
+        # keeps re-exporting these last values until the next step).
+        self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
 
     def _on_engine_failure(self, error: BaseException) -> None:
         """Every request in flight ends with the error (its final delta says which rank failed)."""
         if self.engine.dead is None:
             self.engine.fail(error)
+            if isinstance(error, RankFailedError) and error.rank is not None:
+                self._metrics.record_worker_failure(error.rank)
+            self._metrics.record_health(False)
         self._publish(self.engine.collect_finished())
 
-    def _publish(self, deltas: list[RequestDelta]) -> None:
+    def _publish(self, deltas: list[RequestDelta], so: SchedulerOutput | None = None, start: float = 0.0) -> None:
+        """Hand `deltas` to their streams and record their metrics. With `so`: the deltas of the step
+        that began at `start` (time.monotonic()); without: final deltas published between steps."""
         for delta in deltas:
             queue = self._queues.get(delta.request_id)
             if queue is not None:
                 queue.put_nowait(delta)
+        now = time.monotonic()
+        step_time = now - start if so is not None and not so.is_empty else None  # an empty step ran nothing
+        self._metrics.record_iteration_stats(self._stats.iteration_stats(deltas, now, so, step_time))
+        if so is not None:
+            self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
 
     # ------------------------------------------------------------------ health, stats, lifecycle
     async def check_health(self) -> None:
@@ -181,3 +215,4 @@ class EngineController:
             await asyncio.gather(self._loop_task, return_exceptions=True)  # ends: nothing left in flight
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
         self._step_thread.shutdown(wait=False)
+        self._metrics.close()  # this replica's gauges stop being exported (its successor has its own)

@@ -33,6 +33,10 @@ class Executor(ABC):
     def check_health(self) -> None:  # noqa: B027 - optional hook: in-process workers have nothing to check
         """Raise if any rank is unusable."""
 
+    @abstractmethod
+    def start_metrics(self, model_name: str, replica: str) -> None:
+        """Every rank records its step time from now on (`cluster.metrics.WorkerMetrics`), under these labels."""
+
 
 class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -49,6 +53,9 @@ class InProcessExecutor(Executor):
         out = self.worker.execute_model(so)
         assert out is not None  # rank 0 always answers
         return out
+
+    def start_metrics(self, model_name: str, replica: str) -> None:
+        self.worker.start_metrics(model_name, replica)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -142,6 +142,9 @@ class RayExecutor(Executor):
         assert out is not None, "rank 0 always answers"
         return out
 
+    def start_metrics(self, model_name: str, replica: str) -> None:
+        self._gather([w.start_metrics.remote(model_name, replica) for w in self.workers], _HEALTH_TIMEOUT_S, "metrics")
+
     def check_health(self) -> None:
         self._raise_if_failed()
         self._gather([w.ping.remote() for w in self.workers], _HEALTH_TIMEOUT_S, "health check")

@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
 
 from cluster.config import EngineConfig, default_kv_cache_bytes
+from cluster.metrics.ray_metrics import WorkerMetrics
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -53,6 +55,7 @@ class Worker:
         self.world_size = world_size
         self.num_threads = num_threads
         self.shard: ModelShard | None = None
+        self.metrics: WorkerMetrics | None = None  # set by start_metrics (a serving controller); None offline
 
     def node_info(self) -> NodeInfo:
         """Where this rank runs (Ray ranks report it before the TP rendezvous)."""
@@ -107,10 +110,18 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput | bytes) -> ModelRunnerOutput | None:
         """One step. The Ray executor sends the pickled SchedulerOutput (pickled once for every rank)."""
+        start = time.perf_counter()
         if isinstance(so, bytes):
             so = pickle.loads(so)  # sent by our own controller, inside the cluster
             assert isinstance(so, SchedulerOutput)
-        return self._shard().execute(so)
+        out = self._shard().execute(so)
+        if self.metrics is not None:
+            self.metrics.record_step(time.perf_counter() - start)
+        return out
+
+    def start_metrics(self, model_name: str, replica: str) -> None:
+        """Record this rank's execute_model wall time from now on, labelled with its rank."""
+        self.metrics = WorkerMetrics(model_name, replica, self.rank)
 
     @ray.method(concurrency_group="control")
     def ping(self) -> None:

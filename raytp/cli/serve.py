@@ -74,6 +74,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         name = sa.served_model_name or sa.engine.model or "SmolLM2-135M-Instruct (embedded)"
         base = f"http://{_url_host(host)}:{port}"
         print(f"raytp: serving {name} at {base}  (OpenAI base URL: {base}/v1); Ctrl-C to stop", flush=True)
+        _print_scrape_targets(base)
         while not stop.wait(3600):
             pass
     except KeyboardInterrupt:
@@ -84,6 +85,16 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         print("raytp: shutting down", file=sys.stderr, flush=True)
         _teardown(joined)
     return 0
+
+
+def _print_scrape_targets(base: str) -> None:
+    """Where Prometheus finds raytp's metrics: every Ray node's metrics port (the cluster way, what
+    k8s/prometheus/prometheus.yml and KubeRay's PodMonitors scrape) or the API port's /metrics."""
+    from cluster.metrics.endpoint import node_metrics_urls
+
+    nodes = ", ".join(node_metrics_urls()) or "(no Ray node exports metrics)"
+    print(f"raytp: Prometheus metrics on the Ray nodes' metrics ports: {nodes}", flush=True)
+    print(f"raytp: the same series on {base}/metrics (scrape one of the two, not both)", flush=True)
 
 
 def _check_model(engine: EngineConfig) -> None:
