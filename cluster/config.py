@@ -67,6 +67,7 @@ class EngineConfig:
         "PACK", "Ray placement group strategy for the TP workers", PLACEMENT_STRATEGIES
     )
     attention_backend: str = _opt("auto", "paged attention kernel", ATTENTION_BACKENDS)
+    disable_log_stats: bool = _opt(False, "record no engine metrics (vLLM's flag; Ray Serve's own series remain)")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

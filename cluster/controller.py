@@ -35,11 +35,8 @@ import ray
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError, LLMEngine
-from cluster.engine_stats import EngineStatsCollector
-from cluster.metrics.ray_metrics import EngineMetrics
-from cluster.metrics.stats import IterationStats
+from cluster.engine_telemetry import EngineTelemetry
 from cluster.outputs import RequestDelta
-from cluster.ray_executor import RankFailedError
 from scheduler.outputs import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -64,16 +61,12 @@ class EngineController:
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         # Metrics are recorded here, on the event loop thread, where the scheduler and the stream of
-        # deltas to every caller live (see cluster/engine_stats.py); the workers record their step times.
-        ctx = ray.get_runtime_context()
-        replica = replica or ctx.get_actor_name() or ctx.get_actor_id() or "local"
-        self._stats = EngineStatsCollector(self.engine.scheduler, self.engine.block_manager)
-        self._metrics = EngineMetrics(self.engine.model_name, replica, num_ranks=config.tensor_parallel_size)
-        self.engine.executor.start_metrics(self.engine.model_name, replica)
-        # Every gauge and counter exists (at 0) before the first request, so increase() sees its first rise.
-        self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
-        self._metrics.record_iteration_stats(IterationStats())
-        self._metrics.record_health(True)
+        # deltas to every caller live (cluster/engine_telemetry.py); the workers record their step times.
+        self._telemetry: EngineTelemetry | None = None
+        if not config.disable_log_stats:
+            ctx = ray.get_runtime_context()
+            replica = replica or ctx.get_actor_name() or ctx.get_actor_id() or "local"
+            self._telemetry = EngineTelemetry(self.engine, replica)
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -101,7 +94,8 @@ class EngineController:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         group = self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
-        self._stats.add_request(request_id, params, group.arrival_time)
+        if self._telemetry is not None:
+            self._telemetry.on_add(request_id, params, group.arrival_time)
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         if self._loop_task is None or self._loop_task.done():
@@ -126,17 +120,15 @@ class EngineController:
             self._publish(self.engine.update(so, result), so, start)
             # Let queued adds/aborts and stream consumers run; an empty step (nothing schedulable) backs off.
             await asyncio.sleep(0 if not so.is_empty else 0.005)
-        # The loop stops when nothing is in flight: leave the gauges at the idle state (the recorder
-        # keeps re-exporting these last values until the next step).
-        self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
+        if self._telemetry is not None:  # nothing in flight: the gauges show the idle state
+            self._telemetry.on_idle()
 
     def _on_engine_failure(self, error: BaseException) -> None:
         """Every request in flight ends with the error (its final delta says which rank failed)."""
         if self.engine.dead is None:
             self.engine.fail(error)
-            if isinstance(error, RankFailedError) and error.rank is not None:
-                self._metrics.record_worker_failure(error.rank)
-            self._metrics.record_health(False)
+            if self._telemetry is not None:
+                self._telemetry.on_failure(error)
         self._publish(self.engine.collect_finished())
 
     def _publish(self, deltas: list[RequestDelta], so: SchedulerOutput | None = None, start: float = 0.0) -> None:
@@ -146,11 +138,8 @@ class EngineController:
             queue = self._queues.get(delta.request_id)
             if queue is not None:
                 queue.put_nowait(delta)
-        now = time.monotonic()
-        step_time = now - start if so is not None and not so.is_empty else None  # an empty step ran nothing
-        self._metrics.record_iteration_stats(self._stats.iteration_stats(deltas, now, so, step_time))
-        if so is not None:
-            self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
+        if self._telemetry is not None:
+            self._telemetry.on_publish(deltas, so, start)
 
     # ------------------------------------------------------------------ health, stats, lifecycle
     async def check_health(self) -> None:
@@ -215,4 +204,5 @@ class EngineController:
             await asyncio.gather(self._loop_task, return_exceptions=True)  # ends: nothing left in flight
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
         self._step_thread.shutdown(wait=False)
-        self._metrics.close()  # this replica's gauges stop being exported (its successor has its own)
+        if self._telemetry is not None:
+            self._telemetry.close()

@@ -70,7 +70,8 @@ class IterationStats:
     num_scheduled_tokens: int = 0  # tokens this step's forward pass processed (prefill chunks + decodes)
     num_preempted_reqs: int = 0  # requests preempted (recompute or swap) by this step's schedule()
     time_to_first_tokens: list[float] = field(default_factory=list)  # per request whose first token came now
-    inter_token_latencies: list[float] = field(default_factory=list)  # per decoded token: time since the previous
+    # per request that received tokens this step (not its first): time since its previous ones (vLLM V1's ITL)
+    inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     step_time: float | None = None  # wall time of the whole engine step; None: not measured here
 
