@@ -19,8 +19,9 @@ p50/p99 per engine (medians over rounds), peak memory of each server's process t
 `--find-max-rate` searches each server's highest sustained request rate: doubling from
 `--start-rate` until a rate is not sustained, then bisecting `--search-steps` times; each probe
 sends max(`--num-prompts`, rate x `--probe-seconds`) requests. Sustained means every request
-completed and the seconds per output token of the last third of arrivals stayed within 2x the first
-third's (`serving_load.sustained`). With a baseline the two searches advance probe by probe.
+completed and, over the last two thirds of the arrival window, the server finished at least 0.9x as
+many requests as had arrived one request latency earlier (`serving_load.sustained`). With a
+baseline the two searches advance probe by probe.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def main() -> None:
     p.add_argument("--start-rate", type=float, default=0.5)
     p.add_argument("--max-rate", type=float, default=64.0)
     p.add_argument("--search-steps", type=int, default=3, help="bisection steps after the doubling phase")
-    p.add_argument("--probe-seconds", type=float, default=30.0, help="arrival window of each search probe")
+    p.add_argument("--probe-seconds", type=float, default=60.0, help="arrival window of each search probe")
     p.add_argument("--raytp-arg", action="append", default=[], help="extra `raytp serve` flag (repeatable)")
     p.add_argument("--log-dir", default="/tmp/raytp-serving-bench", help="the servers' logs (with --baseline)")
     p.add_argument("--json", default=None, help="also write the summaries to this file")

@@ -140,19 +140,26 @@ def summarize(results: list[Result], duration: float, rate: float) -> dict[str, 
     return summary
 
 
-def sustained(results: list[Result], growth_limit: float = 2.0) -> bool:
-    """Whether the server kept up with the arrivals: every request completed and latency did not grow.
+def sustained(results: list[Result], min_ratio: float = 0.9) -> bool:
+    """Whether the server kept up with the arrivals: every request completed, and over the last two
+    thirds of the arrival window it finished (nearly) as many requests as had arrived one latency earlier.
 
-    A server that keeps up serves late arrivals about as fast as early ones; one that does not builds
-    a backlog, so the time each request takes per output token (waiting included) rises with its
-    arrival index for as long as arrivals continue. Decision: compare the median seconds per output
-    token of the last third of arrivals with the first third's; beyond `growth_limit` the backlog grew.
-    (Completed req/s against the offered rate is printed too, but a finite run's drain tail lowers it
-    even when the server keeps up, so it cannot decide alone.)
+    Once the first third has filled the pipeline, a server that keeps up finishes requests at the rate
+    they arrive, one request latency L later; one that does not finishes them at its own, lower, rate
+    while the backlog grows. So completions in [t, t_end] over arrivals in [t - L, t_end - L] (L: the
+    median latency of the middle third's arrivals; the shift keeps Poisson clumps at the window's edges
+    from counting twice) estimates service rate / offered rate; below `min_ratio` it did not keep up.
+    Rejected: completed req/s over the whole run (its drain tail lowers it even when the server keeps
+    up) and per-request latency growth (under continuous batching late arrivals slow early ones too).
+    Probes must be long against the request latency (the `--probe-seconds` default: 60 s).
     """
-    if not results or not all(r.ok for r in results):
+    if len(results) < 3 or not all(r.ok for r in results):
         return False
-    per_token = [r.latency / r.output_tokens for r in results]
-    third = max(1, len(per_token) // 3)
-    first, last = statistics.median(per_token[:third]), statistics.median(per_token[-third:])
-    return last <= growth_limit * first
+    t0, t1 = min(r.sent for r in results), max(r.sent for r in results)
+    third = (t1 - t0) / 3
+    middle = [r.latency for r in results if t0 + third <= r.sent <= t0 + 2 * third]
+    lag = statistics.median(middle) if middle else 0.0
+    start = t0 + third
+    arrivals = sum(1 for r in results if start - lag <= r.sent <= t1 - lag)
+    completions = sum(1 for r in results if start <= r.sent + r.latency <= t1)
+    return arrivals > 0 and completions >= min_ratio * arrivals
