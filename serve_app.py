@@ -24,12 +24,12 @@ import contextlib
 import dataclasses
 import logging
 import os
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -45,6 +45,7 @@ from raytp.openai.chat import ChatHandler
 from raytp.openai.completions import CompletionHandler
 from raytp.openai.context import SSE_HEADERS, ServingContext, max_token_chars
 from raytp.openai.errors import EngineOverloadedError, OpenAIError, bad_request, to_openai_error
+from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
 from raytp.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,6 +56,7 @@ from raytp.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from raytp.openai.request_id import request_id_of
 from raytp.openai.stream import ServeEngineClient
 from scheduler.sampling_params import SamplingParams
 
@@ -176,10 +178,12 @@ class IngressSettings:
     trust_remote_code: bool = False
     served_model_name: str | None = None  # None: the model's own name
     api_key: str | None = None  # None: RAYTP_API_KEY in the replica's environment, if set
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies are refused (413) unread
 
 
-def _request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def _request_id(prefix: str, raw: Request) -> str:
+    """The body's `id`: the prefix and the request's `X-Request-Id` (raytp/openai/request_id.py)."""
+    return f"{prefix}-{request_id_of(raw.headers.raw)}"
 
 
 def _respond(result: Any, request_id: str) -> Response:
@@ -208,6 +212,7 @@ class OpenAIIngress:
             max_token_chars=max_token_chars(tokenizer),
         )
         api.state.api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+        api.state.max_body_bytes = settings.max_request_body_bytes
         self._completions = CompletionHandler(self.ctx)
         self._chat = ChatHandler(self.ctx)
 
@@ -239,13 +244,13 @@ class OpenAIIngress:
         return json_response(ModelList(data=[card]))
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Response:
-        request_id = _request_id("cmpl")
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        request_id = _request_id("cmpl", raw)
         return _respond(await self._completions.create(body, request_id), request_id)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        request_id = _request_id("chatcmpl")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        request_id = _request_id("chatcmpl", raw)
         return _respond(await self._chat.create(body, request_id), request_id)
 
     @api.post("/tokenize")
@@ -284,6 +289,7 @@ class ServeArgs:
     max_waiting_requests: int | None = None  # 503 once a replica's waiting queue holds this many
     api_key: str | None = None
     health_check_period_s: float | None = None  # None: Serve's default
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 above this
 
     def __post_init__(self) -> None:
         if self.num_replicas is not None and self.autoscaling_config is not None:
@@ -296,6 +302,8 @@ class ServeArgs:
             raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be non-negative, got {self.max_waiting_requests}.")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "ServeArgs":
@@ -336,6 +344,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         served_model_name=sa.served_model_name,
         # Read here too, so `RAYTP_API_KEY=... raytp serve` protects a cluster started earlier.
         api_key=sa.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=sa.max_request_body_bytes,
     )
     ingress = serve.deployment(
         name="OpenAIIngress",

@@ -34,13 +34,23 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
     p.add_argument("--autoscaling-config", type=json.loads, default=None, help="Serve autoscaling config as JSON")
     p.add_argument("--max-waiting-requests", type=int, default=None, help="503 when a replica's queue is this long")
+    p.add_argument(
+        "--max-request-body-bytes", type=int, default=None, help="413 for larger request bodies (default 4 MiB)"
+    )
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-    extra = ("served_model_name", "api_key", "num_replicas", "autoscaling_config", "max_waiting_requests")
+    extra = (
+        "served_model_name",
+        "api_key",
+        "num_replicas",
+        "autoscaling_config",
+        "max_waiting_requests",
+        "max_request_body_bytes",
+    )
     serve_args = {**engine, **{k: getattr(args, k) for k in extra if getattr(args, k) is not None}}
     return run_server(args.host, args.port, serve_args)
 
@@ -54,6 +64,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     from ray import serve
 
     from cluster.ray_utils import ensure_ray
+    from raytp.openai.request_id import enable_proxy_guard
     from serve_app import ServeArgs, build_app
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
@@ -65,6 +76,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         raise KeyboardInterrupt  # also interrupts a deployment still in progress
 
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+    enable_proxy_guard()  # the HTTP proxies of a cluster started here validate X-Request-Id
     ensure_ray()
     # After ray.init: Ray installs its own SIGTERM handler there; ours must win.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

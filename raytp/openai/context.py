@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from jinja2.exceptions import TemplateError
 
 from raytp.openai.errors import OpenAIError, bad_request
 from raytp.openai.protocol import ChatMessageIn
@@ -24,6 +28,7 @@ from scheduler.errors import PromptTooLongError
 from scheduler.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -74,7 +79,10 @@ class ServingContext:
             )
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        return RequestStream(self.client, request_id, prompt_token_ids, params)
+        """Engine request ids must be unique in the engine while a client's `X-Request-Id` need not be
+        (two clients may send the same one): the engine id is the public id plus a random suffix, so a
+        log line still names the request by its prefix."""
+        return RequestStream(self.client, f"{request_id}-{uuid.uuid4().hex[:8]}", prompt_token_ids, params)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_model_len * self.max_token_chars:
@@ -100,8 +108,11 @@ class ServingContext:
             raise bad_request("This model has no chat template; use /v1/completions.", "messages")
         try:
             ids = await self._off_loop(self._apply_template, convo, add_generation_prompt)
-        except Exception as e:  # jinja's TemplateError and friends: the conversation does not fit the template
+        except TemplateError as e:  # the template's own refusal (raise_exception): its words are for the user
             raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages") from None
+        except Exception:  # a Python error inside the template: its text is an internal, not for the client
+            logger.warning("chat template failed on a request's messages", exc_info=True)
+            raise bad_request("messages could not be rendered by the chat template.", "messages") from None
         return ids
 
     def _apply_template(self, convo: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:

@@ -101,7 +101,9 @@ def validation_error(errors: object) -> OpenAIError:
     items = list(errors) if isinstance(errors, list | tuple) else []
     if not items:
         return bad_request("invalid request")
-    first = items[0]
+    # A cap (too many prompts) hides behind the type error of the union's first member (`prompt.str`):
+    # the cap is what the client needs to hear.
+    first = next((x for x in items if x.get("type") == "too_long"), items[0])
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return bad_request("The request body is not valid JSON.")

@@ -20,6 +20,7 @@ import ray
 import requests
 from ray import serve
 
+from raytp.openai.request_id import enable_proxy_guard
 from serve_app import build_app
 
 APP = "raytp"
@@ -72,6 +73,7 @@ class LiveServer:
 def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]:
     if ray.is_initialized():
         ray.shutdown()
+    enable_proxy_guard()  # as `raytp serve` does: the proxies it starts validate X-Request-Id
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()

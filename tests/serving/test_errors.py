@@ -21,6 +21,7 @@ from tests.serving.live_server import LiveServer, live_server
 
 KEY = "sk-test-raytp"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json"}
 MAX_MODEL_LEN = 256
 
 
@@ -99,7 +100,7 @@ def test_400_invalid_fields(server: LiveServer, path: str, body: dict[str, Any],
 
 def test_400_broken_json(server: LiveServer) -> None:
     for raw in (b"{not json", b"", b"[1, 2", '{"prompt": "\xff"}'.encode("latin-1")):
-        r = requests.post(server.url("/v1/completions"), data=raw, headers=AUTH, timeout=30)
+        r = requests.post(server.url("/v1/completions"), data=raw, headers={**AUTH, **JSON}, timeout=30)
         assert_error(r, 400)
 
 
