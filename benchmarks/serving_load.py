@@ -116,7 +116,7 @@ def summarize(results: list[Result], duration: float, rate: float) -> dict[str, 
     summary: dict[str, Any] = {
         "request_rate": rate,
         # what the Poisson draw actually offered: requests over the span of their arrivals
-        "offered_rate": (len(results) - 1) / span if span > 0 else float("inf"),
+        "offered_rate": (len(results) - 1) / span if span > 0 and rate != float("inf") else float("inf"),
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,

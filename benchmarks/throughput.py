@@ -137,7 +137,12 @@ def main() -> None:
         return random_requests(n, args.input_len, args.output_len, vocab, args.seed, round_index)
 
     baseline, baseline_mem = _start_baseline(args, model, raytp_mem)
-    print(f"model: {model or 'embedded SmolLM2-135M-Instruct'}; raytp torch threads {torch.get_num_threads()}")
+    cfg = llm.llm_engine.config
+    print(
+        f"model: {model or 'embedded SmolLM2-135M-Instruct'}; raytp: torch threads {torch.get_num_threads()}, "
+        f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
+        f"block_size {cfg.block_size}, KV blocks {llm.llm_engine.block_manager.num_device_blocks}"
+    )
     print(f"workload per round: {describe(workload(0, args.num_prompts))}; {args.rounds} round(s), fresh prompts each")
 
     warm = workload(-1, 4)  # mixed lengths: every engine meets prefill chunks and decodes before timing
