@@ -42,6 +42,11 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    return run_server(args.host, args.port, serve_args_of(args))
+
+
+def serve_args_of(args: argparse.Namespace) -> dict[str, Any]:
+    """`build_app`'s arguments from the parsed flags (flags left unset keep ServeArgs' defaults)."""
     engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     extra = (
         "served_model_name",
@@ -51,8 +56,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "max_waiting_requests",
         "max_request_body_bytes",
     )
-    serve_args = {**engine, **{k: getattr(args, k) for k in extra if getattr(args, k) is not None}}
-    return run_server(args.host, args.port, serve_args)
+    return {**engine, **{k: getattr(args, k) for k in extra if getattr(args, k) is not None}}
 
 
 def _url_host(host: str) -> str:
