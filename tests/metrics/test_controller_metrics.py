@@ -21,7 +21,7 @@ from scheduler.sampling_params import SamplingParams
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.metrics.conftest import EXPORT_INTERVAL_MS
 
-CONFIG = dict(kv_cache_memory_bytes=1 << 24, tensor_parallel_size=2)
+KV_BYTES = 1 << 24
 PROMPT = [5, 6, 7, 8, 9, 10]
 
 
@@ -59,7 +59,8 @@ def _generate(controller: Any, rid: str, max_tokens: int) -> int:
 
 
 def test_rank_step_times_failure_counter_and_health(model: str, ray_metrics_port: int) -> None:
-    controller = EngineController.remote(EngineConfig(model=model, **CONFIG), replica="tp2")  # type: ignore[attr-defined]
+    config = EngineConfig(model=model, kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=2)
+    controller = EngineController.remote(config, replica="tp2")  # type: ignore[attr-defined]
     try:
         tokens = _generate(controller, "a", 8)
         got = _wait(
@@ -96,7 +97,7 @@ def test_rank_step_times_failure_counter_and_health(model: str, ray_metrics_port
 
 
 def test_disable_log_stats_records_nothing(model: str, ray_metrics_port: int) -> None:
-    config = EngineConfig(model=model, disable_log_stats=True, kv_cache_memory_bytes=1 << 24)
+    config = EngineConfig(model=model, disable_log_stats=True, kv_cache_memory_bytes=KV_BYTES)
     controller = EngineController.remote(config, replica="quiet")  # type: ignore[attr-defined]
     try:
         assert _generate(controller, "b", 4) == 4

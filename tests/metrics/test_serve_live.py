@@ -49,7 +49,11 @@ ENGINE = {
     "swap_space": 0.05,
     "max_num_seqs": 8,
 }
-PROMPT = "The capital of France is"
+# Longer than two KV blocks and sent several times: the prefix cache hits.
+PROMPT = (
+    "You are a helpful assistant who answers geography questions briefly and accurately. "
+    "Question: what is the capital city of France? Answer: The capital of France is"
+)
 
 
 @dataclass
@@ -173,9 +177,11 @@ def test_counters_agree_with_what_the_clients_received(live: Live) -> None:
     assert _value(prom, "sum(ray_raytp_request_success_total)") == requests
     assert _value(prom, "sum(ray_raytp_e2e_request_latency_seconds_count)") == requests
     assert _value(prom, "sum(ray_raytp_request_params_n_count)") == requests
-    # The small KV pool forced preemptions; every request's prompt was counted once, with its first token.
+    # The small KV pool forced preemptions; the repeated prompt hit the prefix cache.
     preemptions = _value(prom, "sum(ray_raytp_num_preemptions_total)")
     assert preemptions is not None and preemptions > 0
+    hits = _value(prom, "sum(ray_raytp_prefix_cache_hits_total)")
+    assert hits is not None and hits > 0
     ranks = prom.query("sum by (rank) (ray_raytp_worker_step_time_seconds_count)")
     assert [s["metric"]["rank"] for s in ranks] == ["0"]
     assert _value(prom, "min(ray_raytp_engine_healthy)") == 1.0
