@@ -412,7 +412,7 @@ def test_fuzzed_requests_from_the_openapi_spec(server: LiveServer, expected_gree
     """schemathesis generates requests from the server's own /openapi.json, valid ones (positive) and
     ones that break the schema (negative): no answer may be a 5xx, every 4xx must be OpenAI's error
     shape with no internals, no KV block may leak, and greedy decoding must still be right after.
-    Bounded: a fixed number of cases, derandomized (the same cases every run), no shrinking phase."""
+    Bounded: a fixed number of cases per operation and mode, derandomized, no shrinking phase."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
