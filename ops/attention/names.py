@@ -1,3 +1,3 @@
 """Backend names, importable without torch (configs validate against them)."""
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_attn", "xformers")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "flash_attn", "xformers")

@@ -23,6 +23,16 @@ CUDA = torch.cuda.is_available()
 NEEDS_CUDA = pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device: flash-attn/xformers kernels run only on GPUs"
 )
+
+def _cpu_kernel_error() -> str | None:
+    from ops.attention import cpu_kernels
+
+    return cpu_kernels.load_error()
+
+
+NEEDS_CPU_KERNEL = pytest.mark.skipif(
+    "_cpu_kernel_error() is not None", reason="the C++ CPU kernel does not build here (no g++ or ninja)"
+)
 NEEDS_FLASH_ATTN = pytest.mark.skipif(
     importlib.util.find_spec("flash_attn") is None,
     reason="flash-attn is not installed (pip install flash-attn>=2.6)",
@@ -45,6 +55,9 @@ class Case:
 CASES = [
     pytest.param(Case("torch", "cpu", torch.float32, 16, 1e-5), id="torch-cpu-bs16"),
     pytest.param(Case("torch", "cpu", torch.float32, 4, 1e-5), id="torch-cpu-bs4"),
+    pytest.param(Case("cpu", "cpu", torch.float32, 16, 1e-5), id="cpu-bs16", marks=NEEDS_CPU_KERNEL),
+    pytest.param(Case("cpu", "cpu", torch.float32, 32, 1e-5), id="cpu-bs32", marks=NEEDS_CPU_KERNEL),
+    pytest.param(Case("cpu", "cpu", torch.float32, 4, 1e-5), id="cpu-bs4", marks=NEEDS_CPU_KERNEL),
     pytest.param(Case("torch", "cuda", torch.float32, 16, 1e-4), id="torch-cuda-bs16", marks=NEEDS_CUDA),
     pytest.param(
         Case("flash_attn", "cuda", torch.float16, 256, 2e-3),
@@ -383,13 +396,31 @@ def test_xformers_backend_glue(monkeypatch: pytest.MonkeyPatch, block_size: int)
 
 
 def test_registry_names() -> None:
-    assert ATTENTION_BACKENDS == ("auto", "torch", "flash_attn", "xformers")
+    assert ATTENTION_BACKENDS == ("auto", "torch", "cpu", "flash_attn", "xformers")
 
 
-def test_auto_is_torch_on_cpu() -> None:
-    cls = get_attn_backend("auto", torch.device("cpu"), torch.float32)
-    assert cls.name == "torch"
+@NEEDS_CPU_KERNEL
+def test_auto_on_cpu_is_the_kernel_for_float32_only() -> None:
+    assert get_attn_backend("auto", torch.device("cpu"), torch.float32).name == "cpu"
+    assert get_attn_backend("auto", "cpu", torch.bfloat16).name == "torch"
+    assert get_attn_backend("auto", "cpu").name == "torch"  # dtype unknown: never a backend that may refuse it
     assert get_attn_backend("torch", "cpu").name == "torch"
+
+
+def test_auto_on_cpu_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ops.attention import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load_error", lambda: "no compiler")
+    assert get_attn_backend("auto", "cpu", torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot be used: no compiler"):
+        get_attn_backend("cpu", "cpu", torch.float32)
+
+
+def test_cpu_backend_refuses_other_devices_and_dtypes() -> None:
+    with pytest.raises(ValueError, match="float32 only"):
+        get_attn_backend("cpu", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="only on the CPU"):
+        get_attn_backend("cpu", "cuda", torch.float32)
 
 
 def test_unknown_backend_name() -> None:

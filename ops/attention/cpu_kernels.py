@@ -1,0 +1,88 @@
+"""The C++ CPU kernels in `csrc/`, compiled once per machine at first use and cached.
+
+`torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
+extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
+the sources and flags, and holds a file lock while it builds, so concurrent processes (Ray
+workers) build once and later processes only load the library (~0.1 s). `.ci/setup.sh` builds it
+at install time; the first engine start on a fresh machine otherwise pays ~10 s.
+
+The build is compiled for this machine's vector ISA (AVX2 + FMA when torch reports AVX2 or
+better; the capability is part of the extension's name, so machines sharing a cache never load a
+library built for another ISA). When no compiler or ninja is usable, `load()` says why and the
+`auto` attention backend stays on the pure-torch one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("csrc") / "paged_decode.cpp"]
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    if capability in ("AVX2", "AVX512"):
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch looks for `ninja` on PATH; the PyPI `ninja` package puts it next to the venv's python."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        return
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Build (or reuse) and load the kernels into `torch.ops.raytp_cpu`; None on success, else why not."""
+    if hasattr(torch.ops, "raytp_cpu") and hasattr(torch.ops.raytp_cpu, "paged_decode_attention"):
+        return None
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    isa, flags = _isa_flags()
+    try:
+        cpp_extension.load(
+            name=f"raytp_cpu_kernels_{isa}",
+            sources=[str(s) for s in _SOURCES],
+            # -fopenmp: at::parallel_for is OpenMP code inlined from torch's headers (without the flag it
+            # runs serially); the library links the libgomp.so.1 that torch has already loaded.
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a broken cache: the torch backend still works
+        reason = f"the C++ CPU kernels could not be built or loaded ({type(exc).__name__}: {exc})"
+        logger.warning("%s; attention falls back to the torch backend", reason.splitlines()[0])
+        return reason
+    return None
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out[r] = softmax(scale * q_r K_r^T) V_r for one query token per row, K/V read in place from the
+    paged cache through block_tables[r] up to seq_lens[r]. fp32 CPU tensors; call `load_error()` first."""
+    torch.ops.raytp_cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)

@@ -1,0 +1,105 @@
+"""The C++ CPU decode kernel against the torch backend (the reference) on random paged layouts.
+
+Shapes like the models we serve (SmolLM2: 9 query / 3 KV heads, head_dim 64), ragged context
+lengths from 1 to several blocks, blocks scattered over a pool filled with random values, block
+sizes 16 and 32; few rows (split per KV head) and many rows (one work item per row); MHA and GQA.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import pytest
+import torch
+
+from ops.attention.base import AttentionMetadata
+from ops.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    from ops.attention import cpu_kernels
+
+    error = cpu_kernels.load_error()
+    if error is not None:
+        pytest.skip(error)
+    return cpu_kernels
+
+
+def _random_paged_decode(
+    gen: torch.Generator, lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    num_heads, num_kv_heads = heads
+    need = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(need) + 7
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(need) + 2  # wider than any row needs: tail entries must never be read
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for row, n in enumerate(need):
+        tables[row, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen)
+    value_cache = torch.randn(shape, generator=gen)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        max_query_len=1,
+        max_seq_len=max(lens),
+        num_decodes=len(lens),
+    )
+    return query, key_cache, value_cache, meta
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa9x3", "mha4", "mqa8"])
+@pytest.mark.parametrize("num_rows", [1, 3, 40], ids=["1row", "3rows", "40rows"])
+def test_decode_kernel_matches_torch_reference(
+    kernels: ModuleType, block_size: int, heads: tuple[int, int], num_rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(block_size * 1000 + num_rows)
+    lens = torch.randint(1, 5 * block_size, (num_rows,), generator=gen).tolist()
+    lens[0] = 1  # a context of one token: softmax over a single key
+    query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, heads, 64, block_size)
+    head_dim = query.shape[-1]
+    reference = TorchAttentionBackend(heads[0], heads[1], head_dim, head_dim**-0.5)
+    expected = torch.empty_like(query)
+    reference._decode(query, key_cache, value_cache, meta, expected)
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_decode_kernel_reads_strided_query_and_writes_a_slice(kernels: ModuleType) -> None:
+    """Queries come as a view into the fused QKV projection; the output is a slice of the step's output."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 37, 16]
+    _, key_cache, value_cache, meta = _random_paged_decode(gen, lens, (9, 3), 64, 16)
+    fused = torch.randn(len(lens), (9 + 2 * 3) * 64, generator=gen)
+    query = fused[:, : 9 * 64].view(len(lens), 9, 64)
+    expected = torch.empty(len(lens), 9, 64)
+    TorchAttentionBackend(9, 3, 64, 0.125)._decode(query, key_cache, value_cache, meta, expected)
+    whole = torch.zeros(len(lens) + 2, 9, 64)
+    kernels.paged_decode_attention(
+        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, 0.125, whole[: len(lens)]
+    )
+    torch.testing.assert_close(whole[: len(lens)], expected, atol=1e-5, rtol=1e-4)
+    assert torch.equal(whole[len(lens) :], torch.zeros(2, 9, 64))
+
+
+def test_decode_kernel_refuses_bad_inputs(kernels: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(8)
+    query, key_cache, value_cache, meta = _random_paged_decode(gen, [20], (4, 2), 32, 16)
+    out = torch.empty_like(query)
+    call = kernels.paged_decode_attention
+    with pytest.raises(RuntimeError, match="float32"):
+        call(query.double(), key_cache, value_cache, meta.block_tables, meta.seq_lens, 1.0, out.double())
+    with pytest.raises(RuntimeError, match="int32"):
+        call(query, key_cache, value_cache, meta.block_tables.long(), meta.seq_lens, 1.0, out)
+    too_long = torch.tensor([meta.block_tables.shape[1] * 16 + 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="seq_len out of the block table's range"):
+        call(query, key_cache, value_cache, meta.block_tables, too_long, 1.0, out)
