@@ -84,7 +84,9 @@ class LLMServer:
     """
 
     # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
-    async def __init__(self, engine_config: EngineConfig, max_waiting_requests: int | None = None) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, engine_config: EngineConfig, max_waiting_requests: int | None = None, served_model_name: str | None = None
+    ) -> None:
         from cluster.controller import EngineController
 
         ctx = serve.get_replica_context()
@@ -92,7 +94,7 @@ class LLMServer:
         name = f"EngineController:{ctx.app_name}:{ctx.replica_id.unique_id}"
         # The replica id labels this engine's metrics (`replica`), as Serve's own series name replicas.
         self._controller = EngineController.options(name=name).remote(  # type: ignore[attr-defined]
-            engine_config, replica=ctx.replica_id.unique_id
+            engine_config, replica=ctx.replica_id.unique_id, model_name=served_model_name
         )
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
@@ -336,7 +338,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         server_options["num_replicas"] = sa.num_replicas if sa.num_replicas is not None else 1
     if sa.health_check_period_s is not None:
         server_options["health_check_period_s"] = sa.health_check_period_s
-    server = serve.deployment(**server_options)(LLMServer).bind(engine, sa.max_waiting_requests)
+    server = serve.deployment(**server_options)(LLMServer).bind(engine, sa.max_waiting_requests, sa.served_model_name)
     settings = IngressSettings(
         model=engine.model,
         revision=engine.revision,

@@ -40,7 +40,7 @@ class EngineBench:
         config = EngineConfig(model=model, max_model_len=512, max_num_seqs=max(batch, 1),
                               distributed_executor_backend="inprocess")  # fmt: skip
         self.engine = LLMEngine(config)
-        self.telemetry = EngineTelemetry(self.engine, "bench-replica")
+        self.telemetry = EngineTelemetry(self.engine, "bench-replica", "bench-model")
         self.batch, self.steps = batch, steps
         self.round = 0
 

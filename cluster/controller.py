@@ -47,9 +47,9 @@ MAX_CONCURRENT_CALLS = 4096  # each open stream holds one actor call slot for it
 
 @ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS)  # type: ignore[call-overload]  # actor options untyped
 class EngineController:
-    def __init__(self, config: EngineConfig, replica: str | None = None) -> None:
-        """replica: the `replica` label of this engine's metrics (the Serve replica id; default: this
-        actor's name, else its id)."""
+    def __init__(self, config: EngineConfig, replica: str | None = None, model_name: str | None = None) -> None:
+        """Labels of this engine's metrics: `replica` (the Serve replica id; default: this actor's name,
+        else its id) and `model_name` (the name clients use; default: the model's own)."""
         if config.distributed_executor_backend is None:
             config = dataclasses.replace(config, distributed_executor_backend="ray")
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
@@ -66,7 +66,7 @@ class EngineController:
         if not config.disable_log_stats:
             ctx = ray.get_runtime_context()
             replica = replica or ctx.get_actor_name() or ctx.get_actor_id() or "local"
-            self._telemetry = EngineTelemetry(self.engine, replica)
+            self._telemetry = EngineTelemetry(self.engine, replica, model_name or self.engine.model_name)
 
     # ------------------------------------------------------------------ requests
     async def generate(

@@ -32,6 +32,7 @@ from tests.metrics.prom import PROMETHEUS, PROMETHEUS_MISSING, Prometheus, free_
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROMETHEUS is None, reason=PROMETHEUS_MISSING)]
 
 API_KEY = "metrics-test-key"
+SERVED_NAME = "smol"  # --served-model-name: the metrics' model_name label is the name clients use
 RATE = "5m"  # $__rate_interval: a window that holds both rounds of the load
 # A serving load has no batch job: the batch panels' series come from `raytp batch`, and
 # test_prometheus_live.py proves those queries with a recorded BatchProgress.
@@ -142,10 +143,12 @@ def live(ray_metrics_port: int, tmp_path_factory: pytest.TempPathFactory) -> Ite
     http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     try:
-        serve.run(build_app({**ENGINE, "api_key": API_KEY}), name="raytp", route_prefix="/")
+        args = {**ENGINE, "api_key": API_KEY, "served_model_name": SERVED_NAME}
+        serve.run(build_app(args), name="raytp", route_prefix="/")
         base = f"http://127.0.0.1:{http_port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
         model = client.models.list().data[0].id
+        assert model == SERVED_NAME
         work = tmp_path_factory.mktemp("prometheus")
         with Prometheus(work, [job("ray", [f"127.0.0.1:{ray_metrics_port}"])]) as prom:
             prom.wait_for_targets()
@@ -185,6 +188,8 @@ def test_counters_agree_with_what_the_clients_received(live: Live) -> None:
     ranks = prom.query("sum by (rank) (ray_raytp_worker_step_time_seconds_count)")
     assert [s["metric"]["rank"] for s in ranks] == ["0"]
     assert _value(prom, "min(ray_raytp_engine_healthy)") == 1.0
+    labels = prom.query("count by (model_name) (ray_raytp_generation_tokens_total)")
+    assert [s["metric"]["model_name"] for s in labels] == [SERVED_NAME]
 
 
 def test_an_aborted_stream_counts_as_abort(live: Live) -> None:
