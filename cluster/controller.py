@@ -15,6 +15,10 @@ the one step thread. So adds and aborts land between or during steps without loc
 scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
 while requests are in flight; the first new request restarts it.
 
+Metrics: the controller records what it owns (queues, KV usage, prefix cache, preemptions) and what
+it publishes (tokens, TTFT, ITL, finished requests) through `EngineTelemetry` into Ray's metrics
+pipeline, on the event loop between steps; each rank records its own step time.
+
 Decision: unless the config says `distributed_executor_backend="inprocess"`, the controller runs
 even TP=1 through the Ray executor, so the model sits in a placed worker actor that holds the
 GPU/CPU bundle, and the controller itself needs no accelerator — and, importing no torch, little memory.
