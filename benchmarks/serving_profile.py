@@ -15,7 +15,10 @@ load (default 1 req/s), and reports:
   LLMServer replica and the controller.
 
 The engine-side figures come from Ray's exported histograms (sum / count deltas around the load),
-so they are means, not percentiles.
+so they are means, not percentiles, and coarse ones: Ray's OpenTelemetry recorder re-records each
+observation at its bucket's midpoint (`open_telemetry_metric_recorder._histogram_bucket_midpoints`),
+so an exported sum is off by up to half a bucket per observation (seen: engine TTFT ~0.9 s above the
+client's, ITL ~5% above). Differences smaller than the buckets' widths are not measured here.
 
     python -m benchmarks.serving_profile [--request-rate 1 --num-prompts 24] [--py-spy]
 """
