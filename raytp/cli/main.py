@@ -2,6 +2,7 @@
 
 raytp generate [--model M] --prompt TEXT [--prompt TEXT ...] [sampling flags] [engine flags]
 raytp serve [MODEL] [--host H] [--port P] [--num-replicas N] [--api-key K] [engine flags]
+raytp batch -i IN.jsonl -o OUT.jsonl [--error-file ERR.jsonl] [MODEL] [--num-replicas N] [engine flags]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from raytp.cli.args import add_engine_args, engine_config_from_args
+from raytp.cli.batch import add_batch_parser
 from raytp.cli.serve import add_serve_parser
 from scheduler.sampling_params import SamplingParams
 
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
     add_serve_parser(sub)
+    add_batch_parser(sub)
     return parser
 
 

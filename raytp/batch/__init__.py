@@ -1,0 +1,5 @@
+"""Batch jobs: OpenAI batch JSONL in, one answer per `custom_id` out, exactly once across reruns.
+
+input.py (streamed reading and whole-file validation) -> journal.py (what is committed) ->
+runner.py (Ray Data over engine replicas) -> output.py (final files) and status.py (Batch object).
+"""

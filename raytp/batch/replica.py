@@ -1,0 +1,135 @@
+"""One engine replica as a Ray Data actor: answers rows with the HTTP server's own handlers.
+
+Each replica owns an `EngineController` actor (which owns its TP workers); a row's body is parsed by
+the server's request models and answered by `CompletionHandler` / `ChatHandler` over a client that
+reads the controller's `RequestDelta` stream, so a batch body is byte-for-byte what the HTTP route
+returns for the same request (ids and timestamps aside). Nothing here builds a response itself.
+
+Decision: a row whose engine died (503 engine_unavailable) is returned with `done=False`: the driver
+does not journal it and hands it out again, and this replica starts a fresh controller first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import ray
+from pydantic import ValidationError
+
+from cluster.config import EngineConfig
+from cluster.engine import EngineDeadError
+from cluster.outputs import RequestDelta
+from raytp.batch.input import BatchRow, parse_line
+from raytp.batch.output import output_line
+from raytp.openai.chat import ChatHandler
+from raytp.openai.completions import CompletionHandler
+from raytp.openai.context import ServingContext, max_token_chars
+from raytp.openai.errors import OpenAIError, bad_request, to_openai_error, validation_error
+from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest
+from scheduler.sampling_params import SamplingParams
+
+
+class ControllerClient:
+    """EngineClient over one controller actor's streaming `generate`."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        finished = False
+        try:
+            stream = self._controller.generate.options(num_returns="streaming").remote(
+                request_id, prompt_token_ids, params
+            )
+            async for ref in stream:
+                delta: RequestDelta = await ref
+                finished = delta.finished
+                yield delta
+        except ray.exceptions.RayActorError as e:
+            finished = True
+            raise EngineDeadError(f"the engine controller died: {e}") from None
+        finally:
+            if not finished:
+                self._controller.abort.remote(request_id)
+
+
+class BatchReplica:
+    """Ray Data callable class: a batch of input lines -> a batch of output lines."""
+
+    def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None) -> None:
+        from model_exec.source import load_tokenizer, resolve_model
+
+        self._config = engine_config
+        source = resolve_model(engine_config.model, engine_config.revision)
+        self._tokenizer = load_tokenizer(source, engine_config.trust_remote_code)
+        self._model_name = served_model_name or source.name
+        self._loop = asyncio.new_event_loop()
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        from cluster.controller import EngineController
+
+        self.controller = EngineController.remote(self._config, model_name=self._model_name)  # type: ignore[attr-defined]
+        info = ray.get(self.controller.model_info.remote())
+        self.ctx = ServingContext(
+            client=ControllerClient(self.controller),
+            tokenizer=self._tokenizer,
+            model_name=self._model_name,
+            max_model_len=int(info["max_model_len"]),
+            vocab_size=int(info["vocab_size"]),
+            max_token_chars=max_token_chars(self._tokenizer),
+        )
+        self._completions = CompletionHandler(self.ctx)
+        self._chat = ChatHandler(self.ctx)
+        self._engine_lost = False
+
+    async def _answer(self, line_no: int, text: str) -> tuple[str, str, dict[str, Any], bool]:
+        """(custom_id, hash, output line, done) of one row."""
+        row = parse_line(line_no, text)
+        if not isinstance(row, BatchRow):  # the whole file was validated before the job started
+            raise ValueError(f"line {line_no} is not a valid batch row: {row.message}")
+        prefix = "cmpl" if row.url == "/v1/completions" else "chatcmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            try:
+                if row.url == "/v1/completions":
+                    req: Any = CompletionRequest.model_validate(row.body)
+                else:
+                    req = ChatCompletionRequest.model_validate(row.body)
+            except ValidationError as e:
+                raise validation_error(e.errors()) from None
+            if req.stream:
+                raise bad_request("stream is not supported in batch jobs.", "stream")
+            handler: Any = self._completions if row.url == "/v1/completions" else self._chat
+            resp = await handler.create(req, request_id)
+            return row.custom_id, row.body_hash, output_line(row.custom_id, request_id, 200, resp.model_dump()), True
+        except Exception as e:
+            err: OpenAIError = to_openai_error(e, request_id)
+            lost = err.code == "engine_unavailable"
+            self._engine_lost = self._engine_lost or lost
+            line = output_line(row.custom_id, request_id, err.status, err.body())
+            return row.custom_id, row.body_hash, line, not lost
+
+    async def _answer_all(self, lines: list[int], texts: list[str]) -> list[tuple[str, str, dict[str, Any], bool]]:
+        return list(await asyncio.gather(*(self._answer(n, t) for n, t in zip(lines, texts, strict=True))))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._engine_lost:  # the controller died on an earlier batch: a fresh engine for this one
+            self._start_engine()
+
+        results = self._loop.run_until_complete(
+            self._answer_all([int(n) for n in batch["line"]], [str(t) for t in batch["text"]])
+        )
+        return {
+            "custom_id": np.array([r[0] for r in results], dtype=object),
+            "hash": np.array([r[1] for r in results], dtype=object),
+            "output": np.array([json.dumps(r[2], ensure_ascii=False) for r in results], dtype=object),
+            "done": np.array([r[3] for r in results], dtype=bool),
+        }
