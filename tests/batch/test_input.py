@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from cluster.config import EngineConfig
 from raytp.batch.input import body_hash, validate_file
 from raytp.batch.journal import Journal
 from raytp.batch.output import output_line, write_final
 from raytp.batch.runner import BatchJob, BatchRefused, validate_only
 from raytp.cli.main import main
-from cluster.config import EngineConfig
 
 
 def row(cid: str, prompt: str = "hi", url: str = "/v1/completions") -> dict[str, Any]:
