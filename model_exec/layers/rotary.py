@@ -3,12 +3,16 @@
 Supported rope types: default, linear (position interpolation), llama3 (Llama 3.1
 frequency-dependent scaling). cos/sin are cached in float32 for every position up to
 max_position_embeddings and cast to the activations' dtype on use, matching HF.
+
+A model looks its step's angles up once (`angles`), and every layer applies them (`rotate`) to its
+queries and keys together, as one [T, q_heads + kv_heads, head_dim] view of the fused projection.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +45,14 @@ def compute_inv_freq(head_dim: int, base: float, rope_scaling: Mapping[str, Any]
     raise ValueError(f"unsupported rope type {rope_type!r}")
 
 
+@dataclass(frozen=True)
+class RopeAngles:
+    """One step's rotary angles, looked up once and shared by every layer."""
+
+    cos: torch.Tensor  # [T, 1, head_dim // 2] in the activations' dtype
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, heads, head_dim] and k [T, kv_heads, head_dim] at positions [T].
 
@@ -70,13 +82,20 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return cos, sin
 
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        cos, sin = self.cos_sin(positions)
+        return RopeAngles(cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def rotate(angles: RopeAngles, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] (any heads: q, k, or both side by side) rotated; a new tensor."""
+        return _rotate(x, angles.cos, angles.sin)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
-        cos = cos.unsqueeze(1).to(q.dtype)
-        sin = sin.unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        angles = self.angles(positions, q.dtype)
+        return self.rotate(angles, q), self.rotate(angles, k)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from model_exec.layers.linear import (
     default_weight_loader,
 )
 from model_exec.layers.norm import RMSNorm
-from model_exec.layers.rotary import RotaryEmbedding
+from model_exec.layers.rotary import RopeAngles, RotaryEmbedding
 from model_exec.parallel import TPGroup
 from ops.attention.base import AttentionBackend, AttentionMetadata
 
@@ -52,18 +52,18 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeAngles,
         hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
         num_tokens = hidden.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        # q and k sit side by side in the fused output: one rotation covers both (strided views, no copy in).
+        qk = self.rotary_emb.rotate(rope, qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -92,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeAngles,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -104,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -134,9 +134,10 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} (key, value) cache pairs, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.angles(positions, hidden.dtype)  # once per step, not per layer
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
