@@ -247,7 +247,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [100, VOCAB - 100)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds, fresh prompts each (medians reported)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="default: 2 with --baseline vllm, else 1; interleaved rounds, fresh prompts each (medians reported)",
+    )
     p.add_argument("--find-max-rate", action="store_true", help="search the highest sustained request rate")
     p.add_argument("--start-rate", type=float, default=0.5)
     p.add_argument("--max-rate", type=float, default=64.0)
@@ -258,6 +263,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the summaries to this file")
     args = p.parse_args()
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.rounds is None:  # a comparison needs medians of >= 2 interleaved rounds
+        args.rounds = 2 if args.baseline == "vllm" else 1
     if args.baseline == "vllm":
         if args.base_url:
             p.error("--baseline vllm starts both servers itself; --base-url is for measuring one running server")

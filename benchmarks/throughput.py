@@ -102,7 +102,13 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, nargs=2, default=(16, 768))
     ap.add_argument("--output-len", type=int, nargs=2, default=(8, 320))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", "--repeats", type=int, default=1, help="interleaved timed rounds (median reported)")
+    ap.add_argument(
+        "--rounds",
+        "--repeats",
+        type=int,
+        default=None,
+        help="default: 2 with --baseline vllm, else 1; interleaved timed rounds (median reported)",
+    )
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--skip-hf", action="store_true", help="same as --baseline none")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -112,6 +118,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.skip_hf:
         args.baseline = "none"
+    if args.rounds is None:  # a comparison needs medians of >= 2 interleaved rounds
+        args.rounds = 2 if args.baseline == "vllm" else 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
