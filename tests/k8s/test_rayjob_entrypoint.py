@@ -3,7 +3,7 @@
 - Its engine flags are the ones raytp's CLI defines, spelt its way, and mean the values' engine.
 - Against a local `ray start --head` cluster, `ray job submit -- <entrypoint>` (what KubeRay's
   submitter runs) with only the claim mount paths replaced answers every row of a batch file on a
-  tiny random-weight model. This one skips while `raytp batch --help` fails (the command is issue 10's).
+  tiny random-weight model.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from cluster.config import EngineConfig
-from raytp.cli.args import add_engine_args, engine_config_from_args
+from raytp.cli.args import engine_config_from_args
 from tests.k8s.chart import load_values, merged_values, one, render
 
 BIN = Path(sys.executable).parent
@@ -41,16 +41,11 @@ def _entrypoint(values: dict[str, Any]) -> list[str]:
     return words
 
 
-def _batch_usage_parser() -> argparse.ArgumentParser:
-    """`raytp batch`'s documented usage (issue 10) around raytp's own engine flags."""
-    parser = argparse.ArgumentParser(prog="raytp batch", exit_on_error=False)
-    parser.add_argument("-i", required=True)
-    parser.add_argument("-o", required=True)
-    parser.add_argument("--error-file")
-    parser.add_argument("--num-replicas", type=int, required=True)
-    parser.add_argument("model", nargs="?")
-    add_engine_args(parser)
-    return parser
+def _batch_parser() -> argparse.ArgumentParser:
+    """`raytp batch`'s own parser (with its engine flags), as the CLI builds it."""
+    from raytp.cli.main import build_parser
+
+    return build_parser()
 
 
 @pytest.mark.parametrize("setup", ["batch", "cpu-small", "gpu-tp2"])
@@ -59,7 +54,7 @@ def test_entrypoint_flags_are_raytps_engine_flags(setup: str) -> None:
     values.setdefault("batch", {}).update({"enabled": True, "data": {"claimName": "batch-data"}})
     merged = merged_values(values)
     words = _entrypoint(values)
-    args = _batch_usage_parser().parse_args(words[2:])  # a misspelt or unknown flag raises here
+    args = _batch_parser().parse_args(words[1:])  # a misspelt or unknown flag exits here
 
     model = {"embedded": None, "pvc": f"{MODEL_MOUNT}/{merged['model']['pvc']['path']}"}.get(
         merged["model"]["source"], merged["model"]["huggingface"]["id"]
@@ -67,7 +62,8 @@ def test_entrypoint_flags_are_raytps_engine_flags(setup: str) -> None:
     assert engine_config_from_args(args) == EngineConfig(model=model, **merged["engine"])
     assert args.num_replicas == merged["batch"]["numReplicas"]
     assert (
-        args.i == f"{DATA_MOUNT}/{merged['batch']['input']}" and args.o == f"{DATA_MOUNT}/{merged['batch']['output']}"
+        args.input_file == f"{DATA_MOUNT}/{merged['batch']['input']}"
+        and args.output_file == f"{DATA_MOUNT}/{merged['batch']['output']}"
     )
 
 
@@ -81,15 +77,6 @@ def test_entrypoint_quotes_what_the_shell_would_split() -> None:
 
 
 # ---- the entrypoint run as written on a local Ray cluster ---------------------------------------------
-
-
-def _batch_cli_missing() -> str | None:
-    """Why `raytp batch` cannot run here, or None when `raytp batch --help` succeeds."""
-    proc = subprocess.run([str(BIN / "raytp"), "batch", "--help"], capture_output=True, text=True, timeout=300)
-    if proc.returncode == 0:
-        return None
-    lines = (proc.stderr or proc.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit status {proc.returncode}"
 
 
 def _free_port() -> int:
@@ -143,7 +130,7 @@ def _rows() -> list[dict[str, Any]]:
             "custom_id": "c-2",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {**completion, "prompt": "abc", "n": 2},
+            "body": {**completion, "prompt": "abc", "n": 2, "temperature": 0.8, "seed": 3},  # n > 1 samples
         },
         {
             "custom_id": "chat-1",
@@ -166,9 +153,6 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def test_entrypoint_runs_as_written_on_a_local_ray_cluster(tmp_path: Path) -> None:
-    missing = _batch_cli_missing()
-    if missing is not None:
-        pytest.skip(f"`raytp batch` is not available yet (issue 10): `raytp batch --help` fails with: {missing}")
     from tests.helpers.tiny_models import make_tiny_llama
 
     models, data = tmp_path / "models", tmp_path / "data"
