@@ -33,6 +33,8 @@ from raytp.openai.errors import OpenAIError, bad_request, to_openai_error, valid
 from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.sampling_params import SamplingParams
 
+CONTROLLER_PREFIX = "raytp-batch-engine-"
+
 
 class ControllerClient:
     """EngineClient over one controller actor's streaming `generate`."""
@@ -76,7 +78,11 @@ class BatchReplica:
     def _start_engine(self) -> None:
         from cluster.controller import EngineController
 
-        self.controller = EngineController.remote(self._config, model_name=self._model_name)  # type: ignore[attr-defined]
+        # Named so operators (and tests) find a batch job's engines in `ray list actors`.
+        name = f"{CONTROLLER_PREFIX}{uuid.uuid4().hex[:12]}"
+        self.controller = EngineController.options(name=name).remote(  # type: ignore[attr-defined]
+            self._config, model_name=self._model_name
+        )
         info = ray.get(self.controller.model_info.remote())
         self.ctx = ServingContext(
             client=ControllerClient(self.controller),
