@@ -123,7 +123,7 @@ def _local_ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
 
 
 def _rows() -> list[dict[str, Any]]:
-    completion = {"model": "tiny", "max_tokens": 4, "temperature": 0.0}
+    completion = {"max_tokens": 4, "temperature": 0.0}  # no "model": the entrypoint names no served name
     return [
         {"custom_id": "c-1", "method": "POST", "url": "/v1/completions", "body": {**completion, "prompt": "hello"}},
         {
