@@ -1,0 +1,33 @@
+"""A batch row's body is what the live HTTP server answers for the same request (ids and times aside).
+
+The server and the batch job run the same tiny model on one local Ray; greedy and seeded rows make
+both answers deterministic, so equality is exact, error bodies (400s) included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+
+from raytp.batch.runner import BatchJob, run_batch
+from tests.batch.helpers import ENGINE, MODEL_NAME, by_id, comparable, engine_config, mixed_rows, read_lines, write_rows
+from tests.helpers.tiny_models import make_tiny_llama
+from tests.serving.live_server import live_server
+
+pytestmark = pytest.mark.slow
+
+
+def test_batch_bodies_equal_the_http_servers(tmp_path: Path) -> None:
+    model_dir = make_tiny_llama(tmp_path / "model")
+    rows = [r for r in mixed_rows(num_plain=2) if r["custom_id"] != "bad-stream"]  # the server would stream it
+    src = write_rows(tmp_path / "in.jsonl", rows)
+    with live_server({"model": model_dir, "served_model_name": MODEL_NAME, **ENGINE}, num_cpus=8) as server:
+        job = BatchJob(str(src), str(tmp_path / "out.jsonl"), None, engine_config(model_dir), MODEL_NAME,
+                       show_progress=False)  # fmt: skip
+        assert run_batch(job).status == "completed"
+        got = by_id(read_lines(tmp_path / "out.jsonl"))
+        for r in rows:
+            resp = requests.post(server.url(str(r["url"])), json=r["body"], timeout=120)
+            assert got[str(r["custom_id"])] == (resp.status_code, comparable(resp.json())), r["custom_id"]
