@@ -30,8 +30,11 @@ _ids = itertools.count()
 
 # torch.profiler op-name prefixes -> the category a step's time is charged to.
 _CATEGORIES = (
-    ("gemm", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
-    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::index_select", "paged")),
+    ("gemm", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn::_linear")),
+    (
+        "attention",
+        ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::index_select", "raytp_cpu::paged"),
+    ),
     ("sampler", ("aten::log_softmax", "aten::_log_softmax", "aten::argmax", "aten::topk", "aten::sort")),
 )
 
