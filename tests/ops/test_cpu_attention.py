@@ -57,12 +57,18 @@ def _random_paged_decode(
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa9x3", "mha4", "mqa8"])
-@pytest.mark.parametrize("num_rows", [1, 3, 40], ids=["1row", "3rows", "40rows"])
+# (rows, longest context in blocks): short calls run on one thread; long ones in parallel, split per
+# KV head when rows are few (2 rows) and per row when they are many (24 rows).
+@pytest.mark.parametrize(
+    ("num_rows", "max_blocks"),
+    [(1, 5), (3, 5), (40, 5), (2, 80), (24, 25)],
+    ids=["1row", "3rows", "40rows", "2rows-long-parallel", "24rows-parallel"],
+)
 def test_decode_kernel_matches_torch_reference(
-    kernels: ModuleType, block_size: int, heads: tuple[int, int], num_rows: int
+    kernels: ModuleType, block_size: int, heads: tuple[int, int], num_rows: int, max_blocks: int
 ) -> None:
     gen = torch.Generator().manual_seed(block_size * 1000 + num_rows)
-    lens = torch.randint(1, 5 * block_size, (num_rows,), generator=gen).tolist()
+    lens = torch.randint(max_blocks * block_size // 2, max_blocks * block_size, (num_rows,), generator=gen).tolist()
     lens[0] = 1  # a context of one token: softmax over a single key
     query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, heads, 64, block_size)
     head_dim = query.shape[-1]

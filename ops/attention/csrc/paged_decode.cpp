@@ -26,6 +26,9 @@ namespace {
 
 // Lanes of the partial sums in `dot`: one 512-bit or two 256-bit vectors after auto-vectorisation.
 constexpr int64_t kLanes = 16;
+// Work below this many (cached token, kv head) pairs runs single-threaded (see the parallel_for):
+// ~60 ns each on one thread here, so ~0.1 ms at most, about what a parallel region costs on a busy machine.
+constexpr int64_t kMinParallelTokens = 2048;
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc[kLanes] = {0.f};
@@ -94,9 +97,15 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   const int64_t vecs = heads_per_item * group;  // query vectors per item
   // Rows differ in length, so threads take items one at a time from a shared counter instead of
   // parallel_for's equal static ranges.
+  // Below kMinParallelTokens cached (token, kv head) pairs the whole call takes microseconds: it runs on
+  // the calling thread, since waking the pool costs as much, and far more when another process holds
+  // a core (a parallel region then waits for a descheduled thread).
   const int64_t num_items = rows * splits;
+  int64_t work = 0;
+  for (int64_t r = 0; r < rows; ++r) work += lens[r];
+  const int64_t threads = work * num_kv_heads < kMinParallelTokens ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
   std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> q(vecs * head_dim), acc(vecs * head_dim), inv_sum(vecs), scores;
     for (int64_t item = next_item++; item < num_items; item = next_item++) {
       const int64_t r = item / splits, h0 = (item % splits) * heads_per_item;
