@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from cluster.config import EngineConfig
+from cluster.metrics.ray_metrics import BatchMetrics
+from cluster.metrics.stats import BatchProgress
 from raytp.batch.input import BatchError, BatchRow, iter_rows, validate_file
 from raytp.batch.journal import Journal
 from raytp.batch.output import is_failure, write_final
@@ -118,13 +120,16 @@ def run_batch(job: BatchJob) -> BatchStatus:
     """Run (or resume) the job to the end; raises BatchRefused before any model loads if the input is bad."""
     status = validate_only(job)
     journal = Journal(job.journal_path)
+    # The job's progress gauges (raytp:batch_rows_*), labelled by the status file's batch id.
+    model_name = job.served_model_name or Path(job.engine.model or "SmolLM2-135M-Instruct").name
+    metrics = BatchMetrics(model_name, status.id)
     try:
         _count_committed(journal, status)
         status.set("in_progress")
         for _ in range(MAX_PASSES):
             if len(journal.done) >= status.total:
                 break
-            _one_pass(job, journal, status)
+            _one_pass(job, journal, status, metrics)
         if len(journal.done) < status.total:
             status.set("failed")
             raise RuntimeError(
@@ -134,8 +139,10 @@ def run_batch(job: BatchJob) -> BatchStatus:
         status.set("finalizing")
         status.completed, status.failed = write_final(journal, job.output_file, job.error_file)
         status.set("completed")
+        _record(metrics, status)
         return status
     finally:
+        metrics.close()
         journal.close()
 
 
@@ -147,7 +154,12 @@ def _count_committed(journal: Journal, status: BatchStatus) -> None:
         status.prompt_tokens, status.completion_tokens = status.prompt_tokens + p, status.completion_tokens + c
 
 
-def _one_pass(job: BatchJob, journal: Journal, status: BatchStatus) -> None:
+def _record(metrics: BatchMetrics, status: BatchStatus) -> None:
+    done = status.completed + status.failed
+    metrics.record_progress(BatchProgress(rows_total=status.total, rows_done=done, rows_failed=status.failed))
+
+
+def _one_pass(job: BatchJob, journal: Journal, status: BatchStatus, metrics: BatchMetrics) -> None:
     import ray
     from tqdm import tqdm
 
@@ -183,5 +195,6 @@ def _one_pass(job: BatchJob, journal: Journal, status: BatchStatus) -> None:
             bar.update(len(records))
             bar.set_postfix(tokens=status.completion_tokens, refresh=False)
             status.write()
+            _record(metrics, status)
     finally:
         bar.close()
