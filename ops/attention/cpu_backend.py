@@ -5,8 +5,11 @@ row's keys and values in place from the paged cache: no gather into a buffer pad
 longest row, no mask, one pass over exactly the row's own context. Prefill chunks stay on the
 torch backend's path (one SDPA call per row, a GEMM-shaped workload the kernel would not beat).
 
-Measured on 2 cores, one layer of SmolLM2 shapes (9/3 heads, head_dim 64, fp32, block size 16),
-`python -m benchmarks.attention_bench --backends torch cpu`: see that script's docstring for figures.
+Measured on 2 shared cores, one layer of SmolLM2 shapes (9/3 heads, head_dim 64, fp32, block size
+16), `python -m benchmarks.attention_bench --backend torch|cpu`, best of 5 rounds on a busy machine:
+96 decode rows with contexts 16..1088 65 -> 10 ms, 64 rows x 512 6.6 -> 5.0 ms, 1 row x 300
+0.17 -> 0.05 ms. In a 24-row offline decode window (benchmarks/step_profile.py) attention went
+from 2.82 s to 1.11 s of self time per 30 steps.
 """
 
 from __future__ import annotations
