@@ -21,6 +21,9 @@ def test_cpu_small_runs_the_embedded_model_on_cpu_workers() -> None:
         assert container["image"] == "raytp:0.1.0-cpu"
         assert not any("gpu" in k for k in container["resources"].get("limits", {}))
         assert not any(m["name"] == "model" for m in container.get("volumeMounts", []))
+        # every node runs a Serve HTTP proxy; each must validate X-Request-Id (issue 8)
+        proxy_hook = container_env(template)["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]
+        assert proxy_hook == "raytp.openai.request_id:proxy_middlewares"
     args = serve_config(objs)["applications"][0]["args"]
     assert "model" not in args and args["device"] == "cpu" and args["num_replicas"] == 1
     assert container_env(group["template"])["RAYTP_CPUS_PER_WORKER"] == "3"
@@ -73,6 +76,7 @@ def test_batch_runs_a_retryable_rayjob_on_the_data_claim() -> None:
         env = container_env(template)
         assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
         assert env["HF_HOME"] == "/home/ray/.cache/huggingface"
+        assert "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" not in env  # a batch job runs no proxy
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         assert volumes["batch-data"]["persistentVolumeClaim"] == {"claimName": "batch-data"}
         assert volumes["hf-cache"]["persistentVolumeClaim"] == {"claimName": "raytp-hf-cache"}

@@ -135,6 +135,11 @@ through toJson so large integers never print in exponent form.
 {{- $v := .root.Values -}}
 - name: RAYTP_CPUS_PER_WORKER
   value: {{ $v.worker.cpusPerRank | toJson | quote }}
+{{- if eq .kind "serve" }}
+# Serve's HTTP proxies (on every node) validate X-Request-Id before echoing it (raytp/openai/request_id.py).
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: "raytp.openai.request_id:proxy_middlewares"
+{{- end }}
 {{- if and (eq .kind "serve") $v.serving.apiKey.secretName }}
 - name: RAYTP_API_KEY
   valueFrom:
