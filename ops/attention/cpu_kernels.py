@@ -2,9 +2,16 @@
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
-the sources and flags, and holds a file lock while it builds, so concurrent processes (Ray
-workers) build once and later processes only load the library (~0.1 s). `.ci/setup.sh` builds it
-at install time; the first engine start on a fresh machine otherwise pays ~10 s.
+the sources and flags, so concurrent processes (Ray workers) build once and later processes only
+load the library (~0.1 s). `.ci/setup.sh` builds it at install time; the first engine start on a
+fresh machine otherwise pays ~10 s.
+
+Locking: torch guards every `load()` (even one that only finds the library up to date) with a
+`lock` file that it deletes when done; a process killed inside that window (a Ray worker killed
+by `ray.kill`, the OOM killer, Ctrl-C) leaves the file behind and every later `load()` on the
+machine waits for it forever. So `load()` runs under an `flock` of our own, which the kernel
+releases when its holder dies; whoever holds it is the only raytp loader, so a torch `lock` file
+found then is stale and is removed.
 
 The build is compiled for this machine's vector ISA (AVX2 + FMA when torch reports AVX2 or
 better; the capability is part of the extension's name, so machines sharing a cache never load a
@@ -14,10 +21,12 @@ library built for another ISA). When no compiler or ninja is usable, `load()` sa
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -47,6 +56,14 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def build_directory(name: str) -> Path:
+    """Where `name` is built: a folder under torch's extension cache root, per Python version."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    folder = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @functools.cache
 def load_error() -> str | None:
     """Build (or reuse) and load the kernels into `torch.ops.raytp_cpu`; None on success, else why not."""
@@ -56,17 +73,23 @@ def load_error() -> str | None:
 
     _ensure_ninja_on_path()
     isa, flags = _isa_flags()
+    name = f"raytp_cpu_kernels_{isa}"
     try:
-        cpp_extension.load(
-            name=f"raytp_cpu_kernels_{isa}",
-            sources=[str(s) for s in _SOURCES],
-            # -fopenmp: at::parallel_for is OpenMP code inlined from torch's headers (without the flag it
-            # runs serially); the library links the libgomp.so.1 that torch has already loaded.
-            extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        folder = build_directory(name)
+        with open(folder / "raytp.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            (folder / "lock").unlink(missing_ok=True)  # torch's own lock: stale if present now
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in _SOURCES],
+                # -fopenmp: at::parallel_for is OpenMP code inlined from torch's headers (without the flag
+                # it runs serially); the library links the libgomp.so.1 that torch has already loaded.
+                extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a broken cache: the torch backend still works
         reason = f"the C++ CPU kernels could not be built or loaded ({type(exc).__name__}: {exc})"
         logger.warning("%s; attention falls back to the torch backend", reason.splitlines()[0])

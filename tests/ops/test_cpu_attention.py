@@ -109,3 +109,22 @@ def test_decode_kernel_refuses_bad_inputs(kernels: ModuleType) -> None:
     too_long = torch.tensor([meta.block_tables.shape[1] * 16 + 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="seq_len out of the block table's range"):
         call(query, key_cache, value_cache, meta.block_tables, too_long, 1.0, out)
+
+
+def test_a_lock_left_by_a_killed_loader_does_not_hang_the_next(kernels: ModuleType) -> None:
+    """A process killed inside torch's `load()` leaves torch's `lock` file behind (a Ray worker killed
+    while starting); the next process must still load the kernels, not wait for that file forever."""
+    import subprocess
+    import sys
+
+    isa, _ = kernels._isa_flags()
+    stale = kernels.build_directory(f"raytp_cpu_kernels_{isa}") / "lock"
+    stale.touch()
+    probe = "from ops.attention import cpu_kernels; print(cpu_kernels.load_error())"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a stale torch lock file made the kernel load wait (it waits forever)")
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
