@@ -1,0 +1,126 @@
+"""`build_processor` over a Ray Dataset, on real Ray with a tiny random-weight model.
+
+One local Ray and one processed dataset per module (the engine start dominates the runtime): the
+rows mix completions and chat, a seeded n=2 row and rows the server would refuse; each test reads
+its part of the same result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from raytp import LLM, SamplingParams
+from raytp.batch import ProcessorConfig, build_processor
+from raytp.batch.replica import CONTROLLER_PREFIX
+from tests.batch.helpers import ENGINE
+from tests.helpers.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+ROWS: list[dict[str, Any]] = [
+    {"id": "greedy", "kind": "completion", "text": "row 0:", "params": {"max_tokens": 6, "temperature": 0}},
+    {"id": "chat", "kind": "chat", "text": "hi", "params": {"max_tokens": 5, "temperature": 0}},
+    {"id": "n2", "kind": "completion", "text": "two", "params": {"max_tokens": 4, "n": 2, "seed": 7}},
+    {"id": "bad-temperature", "kind": "completion", "text": "x", "params": {"temperature": -1}},
+    {"id": "no-request", "kind": "none", "text": "", "params": {}},
+]
+
+
+def preprocess(row: dict[str, Any]) -> dict[str, Any]:
+    out = {**row, "sampling_params": row["params"]}
+    if row["kind"] == "completion":
+        out["prompt"] = row["text"]
+    elif row["kind"] == "chat":
+        out["messages"] = [{"role": "user", "content": row["text"]}]
+    return out
+
+
+def postprocess(row: dict[str, Any]) -> dict[str, Any]:
+    return {"answer": row["generated_text"], **row}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_the_processor_is_lazy(cluster: None, tmp_path: Path) -> None:
+    """Building the pipeline runs nothing: a model that does not exist is not even looked at."""
+    config = ProcessorConfig(model_source=str(tmp_path / "no-such-model"), engine_kwargs=ENGINE)
+    ds = build_processor(config, preprocess=preprocess)(ray.data.from_items(ROWS))
+    assert isinstance(ds, ray.data.Dataset)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith(CONTROLLER_PREFIX)]
+
+
+@pytest.fixture(scope="module")
+def result(model_dir: str, cluster: None) -> dict[str, dict[str, Any]]:
+    """id -> output row of the whole dataset, processed once."""
+    config = ProcessorConfig(model_source=model_dir, engine_kwargs=ENGINE, concurrency=1, batch_size=8)
+    processor = build_processor(config, preprocess=preprocess, postprocess=postprocess)
+    return {r["id"]: r for r in processor(ray.data.from_items(ROWS)).take_all()}
+
+
+def test_greedy_text_equals_offline_llm(result: dict[str, dict[str, Any]], model_dir: str) -> None:
+    llm = LLM(model_dir, **ENGINE)
+    try:
+        out = llm.generate(["row 0:"], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()
+    row = result["greedy"]
+    assert row["generated_text"] == out.outputs[0].text
+    assert row["num_input_tokens"] == len(out.prompt_token_ids)
+    assert row["num_generated_tokens"] == len(out.outputs[0].token_ids) == 6
+    assert row["finish_reason"] == "length" and row["error"] is None and row["status_code"] == 200
+
+
+def test_chat_and_n2_rows_are_answered_with_the_servers_bodies(result: dict[str, dict[str, Any]]) -> None:
+    chat = result["chat"]
+    body = json.loads(chat["response"])
+    assert body["object"] == "chat.completion" and chat["error"] is None
+    assert chat["generated_text"] == body["choices"][0]["message"]["content"]
+    assert chat["num_generated_tokens"] == body["usage"]["completion_tokens"] > 0
+    n2 = json.loads(result["n2"]["response"])
+    assert n2["object"] == "text_completion" and len(n2["choices"]) == 2
+    assert result["n2"]["num_generated_tokens"] == 8
+
+
+def test_bad_rows_get_an_error_and_the_dataset_goes_on(result: dict[str, dict[str, Any]]) -> None:
+    assert set(result) == {r["id"] for r in ROWS}
+    bad = result["bad-temperature"]
+    assert bad["status_code"] == 400 and "temperature" in bad["error"]
+    assert json.loads(bad["response"])["error"]["param"] == "temperature"
+    assert bad["generated_text"] is None and bad["num_generated_tokens"] is None
+    none = result["no-request"]
+    assert none["status_code"] == 400 and "prompt" in none["error"] and "messages" in none["error"]
+    assert sum(r["error"] is None for r in result.values()) == 3
+
+
+def test_columns_carried_through_and_postprocess_applied(result: dict[str, dict[str, Any]]) -> None:
+    for src in ROWS:
+        row = result[src["id"]]
+        assert (row["kind"], row["text"]) == (src["kind"], src["text"])
+        assert row["answer"] == row["generated_text"]
+        assert "__raytp_request" not in row
+
+
+def test_config_refuses_unknown_engine_options() -> None:
+    with pytest.raises(ValueError, match="no_such_option"):
+        ProcessorConfig(engine_kwargs={"no_such_option": 1})
+    with pytest.raises(ValueError, match="concurrency"):
+        ProcessorConfig(concurrency=0)
