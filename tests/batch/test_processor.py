@@ -1,8 +1,9 @@
 """`build_processor` over a Ray Dataset, on real Ray with a tiny random-weight model.
 
-One local Ray and one processed dataset per module (the engine start dominates the runtime): the
-rows mix completions and chat, a seeded n=2 row and rows the server would refuse; each test reads
-its part of the same result.
+One local Ray per module and one processed dataset shared by most tests (engine starts dominate the
+runtime): its rows mix completions and chat, a seeded n=2 row and rows the server would refuse, and
+each test reads its part of the result. Greedy texts are checked against the offline `LLM`. The last
+test runs its own dataset and kills its engine mid-way.
 """
 
 from __future__ import annotations
@@ -76,12 +77,15 @@ def result(model_dir: str, cluster: None) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in processor(ray.data.from_items(ROWS)).take_all()}
 
 
-def test_greedy_text_equals_offline_llm(result: dict[str, dict[str, Any]], model_dir: str) -> None:
+@pytest.fixture(scope="module")
+def offline(model_dir: str) -> Iterator[LLM]:
     llm = LLM(model_dir, **ENGINE)
-    try:
-        out = llm.generate(["row 0:"], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
-    finally:
-        llm.llm_engine.shutdown()
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_greedy_text_equals_offline_llm(result: dict[str, dict[str, Any]], offline: LLM) -> None:
+    out = offline.generate(["row 0:"], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
     row = result["greedy"]
     assert row["generated_text"] == out.outputs[0].text
     assert row["num_input_tokens"] == len(out.prompt_token_ids)
@@ -124,3 +128,36 @@ def test_config_refuses_unknown_engine_options() -> None:
         ProcessorConfig(engine_kwargs={"no_such_option": 1})
     with pytest.raises(ValueError, match="concurrency"):
         ProcessorConfig(concurrency=0)
+
+
+def _controllers() -> dict[str, str]:
+    """name -> namespace of the batch engines alive now."""
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"]: a["namespace"] for a in named if a["name"].startswith(CONTROLLER_PREFIX)}
+
+
+def test_rows_of_a_killed_engine_are_redone_on_a_fresh_one(model_dir: str, cluster: None, offline: LLM) -> None:
+    """The engine is killed once the first row is out; later batches meet the dead engine, the replica
+    starts a fresh one and answers them: every row succeeds, greedy texts as offline."""
+    prompts = [f"kill {i}:" for i in range(10)]
+    params = {"max_tokens": 32, "temperature": 0}
+    rows = [{"i": i, "prompt": p, "sampling_params": params} for i, p in enumerate(prompts)]
+    config = ProcessorConfig(model_source=model_dir, engine_kwargs=ENGINE, batch_size=2)
+    ds = build_processor(config)(ray.data.from_items(rows))
+    got: dict[int, dict[str, Any]] = {}
+    killed: dict[str, str] = {}
+    seen_after_kill: set[str] = set()
+    for row in ds.iter_rows():
+        got[int(row["i"])] = row
+        if not killed:
+            killed = _controllers()
+            [(name, namespace)] = killed.items()
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        else:
+            seen_after_kill |= set(_controllers())
+    assert seen_after_kill - set(killed), "no fresh engine was started: the kill came after every row was answered"
+    expected = offline.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
+    assert sorted(got) == list(range(len(prompts)))
+    for i, out in enumerate(expected):
+        assert got[i]["error"] is None, got[i]["error"]
+        assert got[i]["generated_text"] == out.outputs[0].text
