@@ -59,8 +59,9 @@ class ProcessorConfig:
                 raise ValueError(f"{name} must be at least 1.")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1.")
-        self.engine_config()  # unknown or conflicting engine kwargs fail here, not on the cluster
+        _ = self.engine_config  # unknown or conflicting engine kwargs fail here, not on the cluster
 
+    @property
     def engine_config(self) -> EngineConfig:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(self.engine_kwargs) - known)
@@ -126,7 +127,7 @@ class Processor:
         ds = ds.map_batches(
             RowReplica,
             fn_constructor_kwargs={
-                "engine_config": cfg.engine_config(),
+                "engine_config": cfg.engine_config,
                 "max_concurrency": cfg.max_concurrency or cfg.batch_size,
             },
             concurrency=cfg.concurrency,
