@@ -16,7 +16,8 @@ Any failure names the rank, tears the whole group down (actors and placement gro
 half-dead TP group can never step again) and makes every later call raise the same error.
 
 Environment knobs: RAYTP_STEP_TIMEOUT_S (60), RAYTP_PLACEMENT_TIMEOUT_S (60),
-RAYTP_LOAD_TIMEOUT_S (1800), RAYTP_CPUS_PER_WORKER (1).
+RAYTP_LOAD_TIMEOUT_S (1800), RAYTP_CPUS_PER_WORKER (1: the Ray CPUs each rank reserves, and on the
+CPU its torch threads; a `raytp serve` that starts its own Ray sets it to the machine's cores / ranks).
 """
 
 from __future__ import annotations

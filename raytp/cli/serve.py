@@ -15,10 +15,13 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import EngineConfig
 from raytp.cli.args import add_engine_args
+
+if TYPE_CHECKING:
+    from serve_app import ServeArgs
 
 APP_NAME = "raytp"
 
@@ -80,6 +83,8 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         raise KeyboardInterrupt  # also interrupts a deployment still in progress
 
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+    if not joined:
+        _claim_the_machines_cores(sa)
     enable_proxy_guard()  # the HTTP proxies of a cluster started here validate X-Request-Id
     ensure_ray()
     # After ray.init: Ray installs its own SIGTERM handler there; ours must win.
@@ -101,6 +106,22 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         print("raytp: shutting down", file=sys.stderr, flush=True)
         _teardown(joined)
     return 0
+
+
+def _claim_the_machines_cores(sa: ServeArgs) -> None:
+    """Size each model rank's Ray CPU reservation (and so its torch threads) to share this machine.
+
+    Decision: a `raytp serve` that starts its own Ray owns the machine, so its ranks split the
+    cores among them (TP=1, one replica: all of them) instead of the cluster default of one CPU
+    per rank, which left a 2-core machine's second core idle while the only worker decoded on one
+    thread. The other Serve actors reserve no CPU, so the reservations still fit. An explicit
+    RAYTP_CPUS_PER_WORKER wins; with autoscaling the replica count is unknown and the default stays.
+    Set before Ray starts: the raylet, and through it the controller, inherits this environment.
+    """
+    if os.environ.get("RAYTP_CPUS_PER_WORKER") or sa.autoscaling_config is not None:
+        return
+    ranks = sa.engine.tensor_parallel_size * (sa.num_replicas or 1)
+    os.environ["RAYTP_CPUS_PER_WORKER"] = str(max(1, (os.cpu_count() or 1) // ranks))
 
 
 def _print_scrape_targets(base: str) -> None:

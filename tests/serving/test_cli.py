@@ -77,3 +77,29 @@ def test_raytp_serve_refuses_a_bad_model_before_starting_ray(capsys: pytest.Capt
     assert "not found" in capsys.readouterr().err
     assert main(["serve", "--tensor-parallel-size", "2"]) == 2  # SmolLM2's 9 heads do not split in 2
     assert "tensor_parallel_size=2 must divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ({}, None, "8"),  # TP=1, one replica: every core
+        ({"tensor_parallel_size": 2, "num_replicas": 2}, None, "2"),
+        ({"tensor_parallel_size": 3}, None, "2"),  # 8 // 3, whole CPUs
+        ({"num_replicas": 16}, None, "1"),  # never below one CPU
+        ({}, "3", "3"),  # the user's RAYTP_CPUS_PER_WORKER wins
+        ({"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, None, None),  # count unknown
+    ],
+)
+def test_a_local_serve_splits_the_cores_among_its_ranks(
+    monkeypatch: pytest.MonkeyPatch, args: dict[str, object], env: str | None, expected: str | None
+) -> None:
+    from raytp.cli.serve import _claim_the_machines_cores
+    from serve_app import ServeArgs
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    if env is None:
+        monkeypatch.delenv("RAYTP_CPUS_PER_WORKER", raising=False)
+    else:
+        monkeypatch.setenv("RAYTP_CPUS_PER_WORKER", env)
+    _claim_the_machines_cores(ServeArgs.from_dict(args))
+    assert os.environ.get("RAYTP_CPUS_PER_WORKER") == expected
