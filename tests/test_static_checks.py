@@ -63,6 +63,11 @@ CONTROL_PLANE = [
     "raytp.openai.chat",
     "raytp.cli.main",
     "serve_app",  # the HTTP ingress and the model-replica deployment
+    "raytp.cli.batch",  # the batch driver and its engine replicas (Ray Data actors)
+    "raytp.batch.runner",
+    "raytp.batch.replica",
+    "raytp.batch.processor",
+    "raytp.batch.row_replica",
 ]
 
 

@@ -138,6 +138,18 @@ def _rows() -> list[dict[str, Any]]:
             "url": "/v1/chat/completions",
             "body": {**completion, "messages": [{"role": "user", "content": "hi"}]},
         },
+        {
+            "custom_id": "logprobs",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {**completion, "prompt": "xyz", "logprobs": 2},
+        },
+        {
+            "custom_id": "stop",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {**completion, "prompt": "pqr", "max_tokens": 12, "stop": ["a", "e"]},
+        },
         # Well-formed but longer than max_model_len: an error line, and the job goes on.
         {
             "custom_id": "too-long",
@@ -192,3 +204,5 @@ def test_entrypoint_runs_as_written_on_a_local_ray_cluster(tmp_path: Path) -> No
     for record in out:
         assert record["error"] is None and record["response"]["status_code"] == 200, record
         assert record["response"]["body"]["choices"], record
+    logprobs = next(r for r in out if r["custom_id"] == "logprobs")["response"]["body"]["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] and logprobs["tokens"], logprobs
