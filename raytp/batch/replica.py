@@ -34,6 +34,7 @@ from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.sampling_params import SamplingParams
 
 CONTROLLER_PREFIX = "raytp-batch-engine-"
+ENGINE_START_ATTEMPTS = 3
 
 
 class ControllerClient:
@@ -78,12 +79,21 @@ class BatchReplica:
     def _start_engine(self) -> None:
         from cluster.controller import EngineController
 
-        # Named so operators (and tests) find a batch job's engines in `ray list actors`.
-        name = f"{CONTROLLER_PREFIX}{uuid.uuid4().hex[:12]}"
-        self.controller = EngineController.options(name=name).remote(  # type: ignore[attr-defined]
-            self._config, model_name=self._model_name
-        )
-        info = ray.get(self.controller.model_info.remote())
+        # An engine lost while it starts (its node lost, the actor killed) must not fail this
+        # replica's construction: Ray Data treats an actor that dies in __init__ as a fatal job error.
+        # A model that cannot load fails every attempt, and the last error is raised.
+        for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
+            # Named so operators (and tests) find a batch job's engines in `ray list actors`.
+            name = f"{CONTROLLER_PREFIX}{uuid.uuid4().hex[:12]}"
+            self.controller = EngineController.options(name=name).remote(  # type: ignore[attr-defined]
+                self._config, model_name=self._model_name
+            )
+            try:
+                info = ray.get(self.controller.model_info.remote())
+                break
+            except ray.exceptions.RayActorError:
+                if attempt == ENGINE_START_ATTEMPTS:
+                    raise
         self.ctx = ServingContext(
             client=ControllerClient(self.controller),
             tokenizer=self._tokenizer,

@@ -97,9 +97,11 @@ def test_a_local_serve_splits_the_cores_among_its_ranks(
     from serve_app import ServeArgs
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    if env is None:
-        monkeypatch.delenv("RAYTP_CPUS_PER_WORKER", raising=False)
-    else:
-        monkeypatch.setenv("RAYTP_CPUS_PER_WORKER", env)
+    # A private environment: the function writes os.environ, and a leaked value would make every
+    # later test's Ray workers ask for 8 CPUs.
+    environ = {k: v for k, v in os.environ.items() if k != "RAYTP_CPUS_PER_WORKER"}
+    if env is not None:
+        environ["RAYTP_CPUS_PER_WORKER"] = env
+    monkeypatch.setattr(os, "environ", environ)
     _claim_the_machines_cores(ServeArgs.from_dict(args))
-    assert os.environ.get("RAYTP_CPUS_PER_WORKER") == expected
+    assert environ.get("RAYTP_CPUS_PER_WORKER") == expected

@@ -137,7 +137,9 @@ def test_401_missing_or_wrong_key(server: LiveServer) -> None:
 
 
 def test_503_when_the_waiting_queue_is_over_its_bound(server: LiveServer) -> None:
-    # 2 run (max_num_seqs), 2 may wait; with 12 long requests at once the rest are refused.
+    # "Waiting" = accepted with no first token yet (serve_app.LLMServer._admit): at most 2 at a time.
+    # 12 long requests at once: at least those 2 are served; how many more depends on how many
+    # arrive after the first tokens came out (a race), and the rest are refused.
     body = {"prompt": "count:", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
 
     async def one(session: aiohttp.ClientSession) -> tuple[int, dict[str, Any]]:
@@ -150,7 +152,7 @@ def test_503_when_the_waiting_queue_is_over_its_bound(server: LiveServer) -> Non
 
     results = asyncio.run(main())
     statuses = sorted(s for s, _ in results)
-    assert statuses.count(200) >= 4 and statuses.count(503) >= 1, statuses
+    assert statuses.count(200) >= 2 and statuses.count(503) >= 1, statuses
     assert set(statuses) == {200, 503}
     for status, payload in results:
         if status == 503:
