@@ -149,13 +149,18 @@ def test_an_engine_killed_while_its_replica_starts_is_replaced(model_dir: str, c
     from raytp.batch.replica import BatchReplica
 
     killed: list[str] = []
+    # Engines of earlier tests may still be shutting down: only an engine that appears now counts.
+    earlier = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
     def kill_the_first_engine() -> None:
         deadline = time.monotonic() + 120
         while not killed and time.monotonic() < deadline:
             for a in ray.util.list_named_actors(all_namespaces=True):
-                if a["name"].startswith(CONTROLLER_PREFIX):
-                    ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+                if a["name"].startswith(CONTROLLER_PREFIX) and a["name"] not in earlier:
+                    try:
+                        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+                    except ValueError:  # gone between listing and lookup
+                        continue
                     killed.append(a["name"])
                     break
             time.sleep(0.01)
