@@ -20,6 +20,7 @@ from raytp import LLM, SamplingParams
 from raytp.batch import ProcessorConfig, build_processor
 from raytp.batch.replica import CONTROLLER_PREFIX
 from tests.batch.helpers import ENGINE
+from tests.cluster.ray_helpers import ray_session  # noqa: F401  (a fixture: one local Ray per module)
 from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -51,16 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("model"))
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_the_processor_is_lazy(cluster: None, tmp_path: Path) -> None:
+def test_the_processor_is_lazy(ray_session: None, tmp_path: Path) -> None:  # noqa: F811
     """Building the pipeline runs nothing: a model that does not exist is not even looked at."""
     config = ProcessorConfig(model_source=str(tmp_path / "no-such-model"), engine_kwargs=ENGINE)
     ds = build_processor(config, preprocess=preprocess)(ray.data.from_items(ROWS))
@@ -70,7 +62,7 @@ def test_the_processor_is_lazy(cluster: None, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def result(model_dir: str, cluster: None) -> dict[str, dict[str, Any]]:
+def result(model_dir: str, ray_session: None) -> dict[str, dict[str, Any]]:  # noqa: F811
     """id -> output row of the whole dataset, processed once."""
     config = ProcessorConfig(model_source=model_dir, engine_kwargs=ENGINE, concurrency=1, batch_size=8)
     processor = build_processor(config, preprocess=preprocess, postprocess=postprocess)
@@ -136,7 +128,11 @@ def _controllers() -> dict[str, str]:
     return {a["name"]: a["namespace"] for a in named if a["name"].startswith(CONTROLLER_PREFIX)}
 
 
-def test_rows_of_a_killed_engine_are_redone_on_a_fresh_one(model_dir: str, cluster: None, offline: LLM) -> None:
+def test_rows_of_a_killed_engine_are_redone_on_a_fresh_one(
+    model_dir: str,
+    ray_session: None,  # noqa: F811
+    offline: LLM,
+) -> None:
     """The engine is killed once the first row is out; later batches meet the dead engine, the replica
     starts a fresh one and answers them: every row succeeds, greedy texts as offline."""
     prompts = [f"kill {i}:" for i in range(10)]
