@@ -80,6 +80,47 @@ def test_decode_kernel_matches_torch_reference(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
+# The AVX2 path takes head_dim in steps of 16 with an 8-wide tail and query heads in groups of up to
+# 4 per KV head; a head_dim that is not a multiple of 8 takes the scalar path.
+@pytest.mark.parametrize(
+    ("heads", "head_dim"),
+    [((10, 2), 40), ((8, 4), 128), ((7, 1), 24), ((6, 3), 36)],
+    ids=["group5-d40", "group2-d128", "group7-d24", "scalar-d36"],
+)
+@pytest.mark.parametrize("num_rows", [2, 24])
+def test_decode_kernel_other_head_shapes(
+    kernels: ModuleType, heads: tuple[int, int], head_dim: int, num_rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(head_dim * 100 + num_rows)
+    lens = torch.randint(1, 40 * 16, (num_rows,), generator=gen).tolist()
+    query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, heads, head_dim, 16)
+    reference = TorchAttentionBackend(heads[0], heads[1], head_dim, head_dim**-0.5)
+    expected = torch.empty_like(query)
+    reference._decode(query, key_cache, value_cache, meta, expected)
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_decode_kernel_softmax_of_widely_spread_scores(kernels: ModuleType) -> None:
+    """Scores far below the row's maximum underflow to a weight of 0 (the vectorised exp clamps its
+    input), and a row whose scores are all equal averages its values exactly."""
+    gen = torch.Generator().manual_seed(11)
+    query, key_cache, value_cache, meta = _random_paged_decode(gen, [300, 70], (9, 3), 64, 16)
+    query = query * 40.0  # scores spread over thousands: most weights are exactly 0
+    expected = torch.empty_like(query)
+    TorchAttentionBackend(9, 3, 64, 0.125)._decode(query, key_cache, value_cache, meta, expected)
+    out = torch.empty_like(query)
+    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, 0.125, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    zero = torch.zeros_like(query)
+    kernels.paged_decode_attention(zero, key_cache, value_cache, meta.block_tables, meta.seq_lens, 0.125, out)
+    table = meta.block_tables[1].long()
+    values = value_cache[table].flatten(0, 1)[:70]  # row 1's 70 cached values [70, 3, 64]
+    mean = values.mean(0).repeat_interleave(3, dim=0)
+    torch.testing.assert_close(out[1], mean, atol=1e-5, rtol=1e-4)
+
+
 def test_decode_kernel_reads_strided_query_and_writes_a_slice(kernels: ModuleType) -> None:
     """Queries come as a view into the fused QKV projection; the output is a slice of the step's output."""
     gen = torch.Generator().manual_seed(7)
