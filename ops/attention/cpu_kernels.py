@@ -1,4 +1,5 @@
-"""The C++ CPU kernels in `csrc/`, compiled once per machine at first use and cached.
+"""The C++ CPU kernels (`csrc/paged_decode.cpp`, `../csrc/fused_layers.cpp`), compiled into one
+library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
@@ -15,8 +16,8 @@ found then is stale and is removed.
 
 The build is compiled for this machine's vector ISA (AVX2 + FMA when torch reports AVX2 or
 better; the capability is part of the extension's name, so machines sharing a cache never load a
-library built for another ISA). When no compiler or ninja is usable, `load()` says why and the
-`auto` attention backend stays on the pure-torch one.
+library built for another ISA). When no compiler or ninja is usable, `load()` says why, the
+`auto` attention backend stays on the pure-torch one and the model layers keep their torch code.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / "paged_decode.cpp"]
+_SOURCES = [
+    Path(__file__).with_name("csrc") / "paged_decode.cpp",
+    Path(__file__).parents[1] / "csrc" / "fused_layers.cpp",  # ops/fused.py's norm, rotary and SiLU kernels
+]
+# Every op the sources register: the library counts as loaded only when all of them are there.
+_OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotate_half_rope", "silu_and_mul")
 
 
 def _isa_flags() -> tuple[str, list[str]]:
@@ -67,7 +73,7 @@ def build_directory(name: str) -> Path:
 @functools.cache
 def load_error() -> str | None:
     """Build (or reuse) and load the kernels into `torch.ops.raytp_cpu`; None on success, else why not."""
-    if hasattr(torch.ops, "raytp_cpu") and hasattr(torch.ops.raytp_cpu, "paged_decode_attention"):
+    if hasattr(torch.ops, "raytp_cpu") and all(hasattr(torch.ops.raytp_cpu, op) for op in _OPS):
         return None
     from torch.utils import cpp_extension
 
@@ -92,7 +98,7 @@ def load_error() -> str | None:
             )
     except Exception as exc:  # no compiler, no ninja, a broken cache: the torch backend still works
         reason = f"the C++ CPU kernels could not be built or loaded ({type(exc).__name__}: {exc})"
-        logger.warning("%s; attention falls back to the torch backend", reason.splitlines()[0])
+        logger.warning("%s; attention and the fused layers fall back to torch", reason.splitlines()[0])
         return reason
     return None
 
