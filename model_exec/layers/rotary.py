@@ -4,8 +4,10 @@ Supported rope types: default, linear (position interpolation), llama3 (Llama 3.
 frequency-dependent scaling). cos/sin are cached in float32 for every position up to
 max_position_embeddings and cast to the activations' dtype on use, matching HF.
 
-A model looks its step's angles up once (`angles`), and every layer applies them (`rotate`) to its
-queries and keys together, as one [T, q_heads + kv_heads, head_dim] view of the fused projection.
+A model looks its step's angles up once (`angles`), and every layer applies them (`rotate_owned`)
+to its queries and keys together, as one [T, q_heads + kv_heads, head_dim] view of the fused
+projection: in place for float32 CPU tensors (ops/fused.py, one kernel instead of chunk, four
+muls, sub, add and cat with their temporaries), a new tensor elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ops import fused
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
@@ -88,7 +92,18 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(angles: RopeAngles, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] (any heads: q, k, or both side by side) rotated; a new tensor."""
+        """x [T, heads, head_dim] (any heads: q, k, or both side by side) rotated; a new tensor.
+
+        The torch reference that `rotate_owned`'s kernel matches bit for bit."""
+        return _rotate(x, angles.cos, angles.sin)
+
+    @staticmethod
+    def rotate_owned(angles: RopeAngles, x: torch.Tensor) -> torch.Tensor:
+        """`rotate` for an x the caller gives up: rotated in place where the fused kernel applies
+        (float32 on the CPU; x may be a strided view, e.g. the q|k part of a fused projection, and
+        keeps its strides), else a new tensor. Callers use only the result."""
+        if fused.applies(x, angles.cos, angles.sin):
+            return fused.rotate_half_rope_(x, angles.cos, angles.sin)
         return _rotate(x, angles.cos, angles.sin)
 
     def forward(

@@ -60,8 +60,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
         num_tokens = hidden.shape[0]
-        # q and k sit side by side in the fused output: one rotation covers both (strided views, no copy in).
-        qk = self.rotary_emb.rotate(rope, qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1))
+        # q and k sit side by side in the fused output: one rotation covers both (strided views, no copy
+        # in). qkv is this call's own tensor, so the rotation may overwrite it in place; either way q and
+        # k reach the backend as [T, heads, head_dim] views with a contiguous last dim and strided rows.
+        qk = self.rotary_emb.rotate_owned(
+            rope, qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
