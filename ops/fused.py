@@ -52,6 +52,6 @@ def rotate_half_rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> silu(gate) * up, [..., d], a new tensor."""
-    out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
+    out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
     torch.ops.raytp_cpu.silu_and_mul(out, x)
     return out

@@ -6,8 +6,8 @@
 //
 // Rows: every op works on "rows" of the last dimension (any leading shape that views as
 // [rows, cols] with a contiguous last dim). Rows are split over threads only when a call covers at
-// least kParallelElems floats: a decode step's few rows stay on the calling thread, where waking
-// the pool would cost more than the work.
+// least kParallelElems output floats: a decode step's few rows stay on the calling thread, where
+// waking the pool would cost more than the work.
 //
 // Numerics against the torch reference (tests/ops/test_fused_layers.py):
 //  - residual add and rotary are bit-identical (the same single-rounding mul/sub/add sequence; an
@@ -31,9 +31,13 @@
 
 namespace {
 
-// Calls covering fewer floats than this run on the calling thread (about 128 KiB: tens of
-// microseconds of work at most, the order of a parallel region's start-up on a busy machine).
-constexpr int64_t kParallelElems = 32768;
+// Calls producing fewer floats than this run on the calling thread: at most a few tens of
+// microseconds of work. A parallel region costs little on an idle machine but, on a shared one, it
+// waits for whichever OpenMP thread another process has descheduled: measured on 2 shared cores,
+// SiLU-and-mul over 16 rows x 1536 took ~8 ms split over two threads against ~20 us on one. A
+// decode step's rows (SmolLM2: 576-wide norms, 1536-wide SiLU, up to ~40 rows) stay serial;
+// prefill chunks are split.
+constexpr int64_t kParallelElems = 65536;
 
 template <typename F>
 void for_rows(int64_t rows, int64_t cols, const F& body) {
@@ -210,7 +214,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
   const int64_t rows = x.size(0), xs = x.stride(0), os = o.stride(0);
   const float* xp = x.const_data_ptr<float>();
   float* op = o.data_ptr<float>();
-  for_rows(rows, 2 * d, [&](int64_t begin, int64_t end) {
+  for_rows(rows, d, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = xp + r * xs;
       const float* u = g + d;
