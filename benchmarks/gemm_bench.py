@@ -1,6 +1,7 @@
-"""The linear layers of one forward pass, `F.linear` (MKL) vs oneDNN-prepacked weights.
+"""The linear layers of one forward pass, `F.linear` (MKL) vs oneDNN-prepacked weights vs panels.
 
     python -m benchmarks.gemm_bench [--tokens 1 64 512] [--threads 2]
+    python -m benchmarks.gemm_bench --tokens 1 2 3 4 --skip-dense   # where panels stop paying
 
 Random fp32 matrices at SmolLM2-135M's shapes (per layer: fused QKV 960x576, o_proj 576x576,
 fused gate/up 3072x576, down 576x1536; 30 layers) plus the 49152x576 LM head. Prints the
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip-dense", action="store_true", help="leave out F.linear (MKL)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,6 +48,7 @@ def main() -> None:
     weights = [torch.randn(*shape) for _ in range(args.layers) for shape in LAYER_SHAPES]
     weights.append(torch.randn(*LM_HEAD))
     packed = [cpu_gemm.pack_weight(w) for w in weights]
+    panels = [cpu_gemm.pack_panels(w) for w in weights] if cpu_gemm.can_use_panels(weights[0]) else None
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(f"threads={torch.get_num_threads()}, {len(weights)} matrices, {total_bytes / 1e6:.0f} MB of weights")
     with torch.inference_mode():
@@ -60,7 +63,16 @@ def main() -> None:
                 for w, p in zip(weights, packed, strict=True):
                     cpu_gemm.packed_linear(inputs[w.shape[1]], p, None)
 
-            for name, fn in (("F.linear", dense), ("oneDNN packed", onednn)):
+            def panel(m: int = m, inputs: dict[int, torch.Tensor] = inputs) -> None:
+                assert panels is not None
+                for w, p in zip(weights, panels, strict=True):
+                    cpu_gemm.panel_linear(inputs[w.shape[1]], p, w.shape[0], None)
+
+            runs = [] if args.skip_dense else [("F.linear", dense)]
+            runs.append(("oneDNN packed", onednn))
+            if panels is not None:
+                runs.append(("panels", panel))
+            for name, fn in runs:
                 best, med = time_pass(fn, args.iters)
                 print(
                     f"tokens={m:5d} {name:>14}: min {best * 1e3:8.1f} ms  median {med * 1e3:8.1f} ms  "

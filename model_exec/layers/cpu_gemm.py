@@ -12,11 +12,25 @@ not split the reduction across rows), so results do not depend on the batch.
 
 The packed tensor is an opaque `torch._mkldnn` tensor: it can only be passed to
 `packed_linear`; the layer keeps what it needs (shape) on the side.
+
+For one or two rows (single-stream decode, a server with one or two requests running) a linear
+layer only streams its weight, and oneDNN streams it at ~12-14 GB/s per core here. Such steps use
+a second copy of the weight in 16-wide panels (`pack_panels`, `ops/csrc/panel_gemm.cpp`), which
+the C++ loop reads as one sequential stream. Measured, one core, the 121 SmolLM2 matrices (layers
+and LM head), `/tmp`-free reproduction in `benchmarks/gemm_bench.py --panels`: 1 row oneDNN 38 ms
+vs panels 20 ms, 2 rows 46 vs 23 ms, 3 rows 34 vs 49 ms: hence `PANEL_MAX_ROWS = 2`. The cost is
+memory: one more copy of every weight matrix (538 MB for SmolLM2-135M, per TP rank its shard).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from ops.attention import cpu_kernels
+
+PANEL = 16  # output features per panel (ops/csrc/panel_gemm.cpp's kPanel)
+PANEL_MAX_ROWS = 2  # batches up to this many rows use the panels, larger ones oneDNN (measured, above)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -39,3 +53,29 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias with W prepacked by `pack_weight`; x is [..., in]."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def can_use_panels(weight: torch.Tensor) -> bool:
+    """True when `weight` is an fp32 CPU matrix and the panel kernel is loaded with its AVX2 path."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and cpu_kernels.load_error() is None
+        and cpu_kernels.vectorized()
+    )
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`[out, in]` -> `[ceil(out / 16), in, 16]`: 16 output features side by side per input feature,
+    the last panel zero-padded (a copy)."""
+    out_features, in_features = weight.shape
+    groups = -(-out_features // PANEL)
+    padded = F.pad(weight.detach(), (0, 0, 0, groups * PANEL - out_features))
+    return padded.view(groups, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias for x [M, in] (M small) with W packed by `pack_panels`."""
+    y = torch.ops.raytp_cpu.panel_linear(x if x.stride(-1) == 1 else x.contiguous(), panels, out_features)
+    return y if bias is None else y.add_(bias)

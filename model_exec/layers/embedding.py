@@ -86,6 +86,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp, params_dtype, shared)
         self.tied = tied_to is not None
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy for compute_logits, see pack_weights
+        self.panel_weight: torch.Tensor | None = None  # panel copy for one or two rows, see cpu_gemm
 
     def pack_weights(self) -> bool:
         """Give compute_logits a oneDNN-packed copy of the weight when it can run there; True if it did.
@@ -95,6 +96,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         batch 64 on 2 cores. An untied head releases its dense weight, as linear layers do.
         """
         if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
+            if cpu_gemm.can_use_panels(self.weight):
+                self.panel_weight = cpu_gemm.pack_panels(self.weight)
             self.packed_weight = cpu_gemm.pack_weight(self.weight)
             if not self.tied:
                 self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
@@ -105,7 +108,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab_size] on rank 0; None on other ranks."""
-        if self.packed_weight is not None:
+        if self.panel_weight is not None and hidden.dim() == 2 and hidden.shape[0] <= cpu_gemm.PANEL_MAX_ROWS:
+            local = cpu_gemm.panel_linear(hidden, self.panel_weight, self.weight.shape[0], None)
+        elif self.packed_weight is not None:
             local = cpu_gemm.packed_linear(hidden, self.packed_weight, None)
         else:
             local = F.linear(hidden, self.weight)

@@ -83,6 +83,8 @@ class LinearBase(nn.Module):
         _set_loader(self.bias, self.weight_loader)
         # oneDNN copy of `weight`, set by pack_weights(); when set, `weight` holds no data.
         self.packed_weight: torch.Tensor | None = None
+        # Panel copy for batches of at most cpu_gemm.PANEL_MAX_ROWS rows, set by pack_weights().
+        self.panel_weight: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -96,11 +98,15 @@ class LinearBase(nn.Module):
         loading into it afterwards fails loudly instead of writing a matrix nobody reads.
         """
         if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
+            if cpu_gemm.can_use_panels(self.weight):
+                self.panel_weight = cpu_gemm.pack_panels(self.weight)
             self.packed_weight = cpu_gemm.pack_weight(self.weight)
             self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
         return self.packed_weight is not None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panel_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_gemm.PANEL_MAX_ROWS:
+            return cpu_gemm.panel_linear(x, self.panel_weight, self.weight.shape[0], bias)
         if self.packed_weight is not None:
             return cpu_gemm.packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

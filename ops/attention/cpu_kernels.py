@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (`csrc/paged_decode.cpp`, `../csrc/fused_layers.cpp`), compiled into one
-library once per machine at first use and cached.
+"""The C++ CPU kernels (`csrc/paged_decode.cpp`, `../csrc/fused_layers.cpp`, `../csrc/panel_gemm.cpp`),
+compiled into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
@@ -37,9 +37,22 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name("csrc") / "paged_decode.cpp",
     Path(__file__).parents[1] / "csrc" / "fused_layers.cpp",  # ops/fused.py's norm, rotary and SiLU kernels
+    Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
 ]
 # Every op the sources register: the library counts as loaded only when all of them are there.
-_OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotate_half_rope", "silu_and_mul")
+_OPS = (
+    "paged_decode_attention",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotate_half_rope",
+    "silu_and_mul",
+    "panel_linear",
+)
+
+
+def vectorized() -> bool:
+    """True when the kernels are built for AVX2 + FMA (their fast paths); False for the portable build."""
+    return _isa_flags()[0] == "avx2"
 
 
 def _isa_flags() -> tuple[str, list[str]]:

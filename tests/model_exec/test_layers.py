@@ -258,3 +258,43 @@ def test_rotary_matches_hf(case: str, gen: torch.Generator) -> None:
         assert out_q.dtype == dtype
         torch.testing.assert_close(out_q, ref_q[0].transpose(0, 1), rtol=0, atol=0)
         torch.testing.assert_close(out_k, ref_k[0].transpose(0, 1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 24), (16, 8)])
+def test_panel_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    """The few-row GEMM on 16-wide panels (last panel padded) equals F.linear, bias and strided rows included."""
+    from model_exec.layers import cpu_gemm
+
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    if not cpu_gemm.can_use_panels(weight):
+        pytest.skip("the panel kernel needs the C++ kernels built with AVX2")
+    bias = torch.randn(out_features, generator=gen)
+    wide = torch.randn(rows, in_features + 8, generator=gen)
+    x = wide[:, 4 : 4 + in_features]  # rows 8 floats apart: a strided view, as slices of a fused output are
+    panels = cpu_gemm.pack_panels(weight)
+    assert panels.shape == (-(-out_features // 16), in_features, 16)
+    # fp32 sums of up to 576 products in another order: differences of a few 1e-5 on values ~20
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(cpu_gemm.panel_linear(x, panels, out_features, None), F.linear(x, weight), **tol)
+    torch.testing.assert_close(cpu_gemm.panel_linear(x, panels, out_features, bias), F.linear(x, weight, bias), **tol)
+
+
+def test_linear_layers_use_panels_for_one_or_two_rows_only() -> None:
+    """After pack_weights() a layer answers few-row batches from the panels, larger ones from oneDNN: same result."""
+    from model_exec.layers import cpu_gemm
+    from model_exec.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(64, 48, bias=True, tp=TPGroup.single())
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    layer.weight.data.copy_(weight)
+    assert layer.bias is not None
+    layer.bias.data.copy_(bias)
+    if not (cpu_gemm.can_pack(weight) and cpu_gemm.can_use_panels(weight)):
+        pytest.skip("needs oneDNN and the C++ kernels built with AVX2")
+    assert layer.pack_weights() and layer.panel_weight is not None
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
