@@ -6,8 +6,8 @@
 //
 // Rows: every op works on "rows" of the last dimension (any leading shape that views as
 // [rows, cols] with a contiguous last dim). Rows are split over threads only when a call covers at
-// least kParallelElems output floats: a decode step's few rows stay on the calling thread, where
-// waking the pool would cost more than the work.
+// least kParallelElems output floats: a single stream's decode row (or a few) stays on the calling
+// thread, where waking the pool would cost more than the work.
 //
 // Numerics against the torch reference (tests/ops/test_fused_layers.py):
 //  - residual add and rotary are bit-identical (the same single-rounding mul/sub/add sequence; an
@@ -31,13 +31,13 @@
 
 namespace {
 
-// Calls producing fewer floats than this run on the calling thread: at most a few tens of
-// microseconds of work. A parallel region costs little on an idle machine but, on a shared one, it
-// waits for whichever OpenMP thread another process has descheduled: measured on 2 shared cores,
-// SiLU-and-mul over 16 rows x 1536 took ~8 ms split over two threads against ~20 us on one. A
-// decode step's rows (SmolLM2: 576-wide norms, 1536-wide SiLU, up to ~40 rows) stay serial;
-// prefill chunks are split.
-constexpr int64_t kParallelElems = 65536;
+// Calls producing fewer floats than this run on the calling thread; it is torch's own grain
+// (at::internal::GRAIN_SIZE), so a fused op is never serial where the torch ops it replaces were
+// split. At 64K, SiLU-and-mul over an offline decode window (~24 rows x 1536) ran on one thread
+// and lost to torch's two-thread silu (26 vs ~19 us + the mul). The price on a shared machine: a
+// parallel region waits for whichever OpenMP thread another process has descheduled (seen: ~8 ms
+// for 16 rows split in two), the same stall every torch op above the grain pays.
+constexpr int64_t kParallelElems = 32768;
 
 template <typename F>
 void for_rows(int64_t rows, int64_t cols, const F& body) {

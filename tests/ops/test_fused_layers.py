@@ -17,7 +17,7 @@ from model_exec.layers.norm import RMSNorm
 from model_exec.layers.rotary import RotaryEmbedding
 from ops import fused
 
-ROWS = [1, 3, 200]  # 200 rows x 576 floats (115K) crosses the kernels' 64K-float threading threshold
+ROWS = [1, 3, 200]  # 200 rows x 576 floats (115K) crosses the kernels' 32K-float threading threshold
 
 
 @pytest.fixture(scope="module", autouse=True)
