@@ -132,3 +132,25 @@ def test_kernels_reject_bad_shapes(gen: torch.Generator) -> None:
         torch.ops.raytp_cpu.rms_norm(torch.empty(2, 10), x.double(), torch.ones(10), 1e-6)
     with pytest.raises(RuntimeError, match="one row of head_dim/2"):
         torch.ops.raytp_cpu.rotate_half_rope(torch.randn(2, 1, 8), torch.ones(2, 3), torch.ones(2, 3))
+
+
+def test_a_failed_build_keeps_the_torch_code(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+    from ops.attention import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load_error", lambda: "no compiler here")
+    norm = _norm(16, gen)
+    x, residual = torch.randn(2, 16, generator=gen), torch.randn(2, 16, generator=gen)
+    assert not fused.applies(x)
+    x_before, residual_before = x.clone(), residual.clone()
+    normed, new_residual = norm(x, residual)
+    torch.testing.assert_close(x, x_before, rtol=0, atol=0)  # the torch path never works in place
+    torch.testing.assert_close(residual, residual_before, rtol=0, atol=0)
+    ref_normed, ref_residual = norm.forward_torch(x, residual)
+    torch.testing.assert_close(normed, ref_normed, rtol=0, atol=0)
+    torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
+    rotary = RotaryEmbedding(8, 64, 10000.0)
+    qk = torch.randn(2, 3, 8, generator=gen)
+    angles = rotary.angles(torch.tensor([0, 5]), torch.float32)
+    rotated = rotary.rotate_owned(angles, qk)
+    assert rotated.data_ptr() != qk.data_ptr()
+    torch.testing.assert_close(rotated, rotary.rotate(angles, qk), rtol=0, atol=0)
