@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--profile", choices=("none", "torch", "cprofile"), default="none")
+    ap.add_argument("--sort", choices=("cumulative", "tottime"), default="cumulative", help="cprofile's order")
     ap.add_argument(
         "--profile-steps", type=int, nargs=2, default=(20, 60), help="torch profile: skip A steps, record B"
     )
@@ -151,7 +152,7 @@ def main() -> None:
         pr.enable()
         wall = run(engine, work, single)
         pr.disable()
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(pr).sort_stats(args.sort).print_stats(40)
     else:
         wall = run(engine, work, single)
     print(
