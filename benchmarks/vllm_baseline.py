@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,15 @@ def server_command(model_dir: str, port: int) -> list[str]:
 
 
 class VllmOffline:
-    """vLLM's `LLM` in a driver subprocess; `generate` returns the seconds vLLM itself measured."""
+    """vLLM's `LLM` in a driver subprocess; `generate` returns the seconds vLLM itself measured.
+
+    Between its own calls vLLM is stopped (SIGSTOP to its process group, SIGCONT for the next call),
+    so nothing it does while idle (its engine core and API processes poll their queues) can take CPU
+    from raytp's rounds on a 2-core machine; raytp's engine runs in this process and is idle between
+    its calls. vLLM's own timing starts after it is resumed. (The serving benchmark does not do this:
+    raytp's server is a Ray cluster, whose daemons time each other out when stopped, and stopping
+    only one side would favour it.)
+    """
 
     def __init__(self, model_dir: str, log: IO[bytes] | None = None, seed: int = 0) -> None:
         read_fd, write_fd = os.pipe()
@@ -77,6 +86,7 @@ class VllmOffline:
             stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
             pass_fds=(write_fd,),
             text=False,
+            start_new_session=True,  # its own process group: _signal reaches the driver and vLLM's workers
         )
         os.close(write_fd)
         self._replies = os.fdopen(read_fd, "r")
@@ -90,6 +100,11 @@ class VllmOffline:
         ready = self._reply()
         self.load_s = ready["load_s"]
         self.config = ready["config"]
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, sig)
 
     def _reply(self) -> dict[str, Any]:
         line = self._replies.readline()
@@ -102,9 +117,13 @@ class VllmOffline:
     def generate(self, work: list[tuple[list[int], int]]) -> float:
         cmd = {"op": "generate", "prompts": [p for p, _ in work], "max_tokens": [n for _, n in work]}
         assert self._proc.stdin is not None
-        self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self._proc.stdin.flush()
-        reply = self._reply()
+        self._signal(signal.SIGCONT)
+        try:
+            self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            self._proc.stdin.flush()
+            reply = self._reply()
+        finally:
+            self._signal(signal.SIGSTOP)
         got, want = reply["output_tokens"], [n for _, n in work]
         if got != want:
             raise RuntimeError(f"vLLM generated {got} tokens, asked for {want}")
@@ -113,6 +132,7 @@ class VllmOffline:
 
     def close(self) -> MemPeak:
         peak = self.memory.stop()
+        self._signal(signal.SIGCONT)
         if self._proc.poll() is None:
             assert self._proc.stdin is not None
             try:
