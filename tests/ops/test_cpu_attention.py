@@ -55,6 +55,22 @@ def _random_paged_decode(
     return query, key_cache, value_cache, meta
 
 
+def _assert_kernel_matches_reference(
+    kernels: ModuleType,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    reference = TorchAttentionBackend(num_heads, key_cache.shape[2], head_dim, head_dim**-0.5)
+    expected = torch.empty_like(query)
+    reference._decode(query, key_cache, value_cache, meta, expected)
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa9x3", "mha4", "mqa8"])
 # (rows, longest context in blocks): short calls run on one thread; long ones in parallel, split per
@@ -71,13 +87,7 @@ def test_decode_kernel_matches_torch_reference(
     lens = torch.randint(max_blocks * block_size // 2, max_blocks * block_size, (num_rows,), generator=gen).tolist()
     lens[0] = 1  # a context of one token: softmax over a single key
     query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, heads, 64, block_size)
-    head_dim = query.shape[-1]
-    reference = TorchAttentionBackend(heads[0], heads[1], head_dim, head_dim**-0.5)
-    expected = torch.empty_like(query)
-    reference._decode(query, key_cache, value_cache, meta, expected)
-    out = torch.full_like(query, float("nan"))
-    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    _assert_kernel_matches_reference(kernels, query, key_cache, value_cache, meta)
 
 
 # The AVX2 path takes head_dim in steps of 16 with an 8-wide tail and query heads in groups of up to
@@ -94,17 +104,12 @@ def test_decode_kernel_other_head_shapes(
     gen = torch.Generator().manual_seed(head_dim * 100 + num_rows)
     lens = torch.randint(1, 40 * 16, (num_rows,), generator=gen).tolist()
     query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, heads, head_dim, 16)
-    reference = TorchAttentionBackend(heads[0], heads[1], head_dim, head_dim**-0.5)
-    expected = torch.empty_like(query)
-    reference._decode(query, key_cache, value_cache, meta, expected)
-    out = torch.full_like(query, float("nan"))
-    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    _assert_kernel_matches_reference(kernels, query, key_cache, value_cache, meta)
 
 
 def test_decode_kernel_softmax_of_widely_spread_scores(kernels: ModuleType) -> None:
-    """Scores far below the row's maximum underflow to a weight of 0 (the vectorised exp clamps its
-    input), and a row whose scores are all equal averages its values exactly."""
+    """Scores far below the row's maximum get a weight of (about) 0 (the vectorised exp clamps its
+    input at -87.3), and a row whose scores are all equal averages its values."""
     gen = torch.Generator().manual_seed(11)
     query, key_cache, value_cache, meta = _random_paged_decode(gen, [300, 70], (9, 3), 64, 16)
     query = query * 40.0  # scores spread over thousands: most weights are exactly 0
