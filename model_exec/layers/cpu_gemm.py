@@ -16,10 +16,11 @@ The packed tensor is an opaque `torch._mkldnn` tensor: it can only be passed to
 For one or two rows (single-stream decode, a server with one or two requests running) a linear
 layer only streams its weight, and oneDNN streams it at ~12-14 GB/s per core here. Such steps use
 a second copy of the weight in 16-wide panels (`pack_panels`, `ops/csrc/panel_gemm.cpp`), which
-the C++ loop reads as one sequential stream. Measured, one core, the 121 SmolLM2 matrices (layers
-and LM head), `/tmp`-free reproduction in `benchmarks/gemm_bench.py --panels`: 1 row oneDNN 38 ms
-vs panels 20 ms, 2 rows 46 vs 23 ms, 3 rows 34 vs 49 ms: hence `PANEL_MAX_ROWS = 2`. The cost is
-memory: one more copy of every weight matrix (538 MB for SmolLM2-135M, per TP rank its shard).
+the C++ loop reads as one sequential stream. Measured on one core (the other one busy), the 121
+SmolLM2 matrices (layers and LM head), one pass, median of 5: 1 row oneDNN 38 ms vs panels 20 ms,
+2 rows 46 vs 23 ms, 3 rows 34 vs 49 ms: hence `PANEL_MAX_ROWS = 2`. Reproduce with
+`python -m benchmarks.gemm_bench --tokens 1 2 3 --threads 1 --skip-dense`. The cost is memory: one
+more copy of every weight matrix (538 MB for SmolLM2-135M; per TP rank, its shard).
 """
 
 from __future__ import annotations
