@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (median reported)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-panel-gemm", action="store_true", help="raytp with EngineConfig.cpu_panel_gemm")
     ap.add_argument("--vllm-log", default=None, help="write vLLM's own log here (default: discarded)")
     args = ap.parse_args()
 
@@ -67,7 +68,7 @@ def main() -> None:
     hf_dir = hf_model_dir(args.model)  # converted once, cached; raytp alone keeps reading args.model
     model = hf_dir if args.baseline == "vllm" else args.model
     raytp_mem = PeakSampler(os.getpid()).start()
-    llm = LLM(model, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES)
+    llm = LLM(model, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, cpu_panel_gemm=args.cpu_panel_gemm)
     vocab = llm.llm_engine.model_config.vocab_size
     vllm = None
     if args.baseline == "vllm":

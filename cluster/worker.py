@@ -84,6 +84,7 @@ class Worker:
             dtype=cfg.dtype,
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
+            panel_gemm=cfg.cpu_panel_gemm,
         )
 
     def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> tuple[int, int]:

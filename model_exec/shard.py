@@ -81,6 +81,7 @@ class ModelShard:
         dtype: str,
         attention_backend: str,
         block_size: int,
+        panel_gemm: bool = False,
     ) -> None:
         """Join the TP group, build this rank's shard on its device and stream its weights in."""
         self.device = resolve_device(device)
@@ -97,7 +98,7 @@ class ModelShard:
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
         model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
         model.load_weights(iter_weights(source))
-        pack_weights(model)
+        pack_weights(model, panels=panel_gemm)
         self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids)
         self.cache_shape = CacheShape(
             num_layers=model_config.num_hidden_layers,

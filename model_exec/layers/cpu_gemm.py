@@ -13,14 +13,18 @@ not split the reduction across rows), so results do not depend on the batch.
 The packed tensor is an opaque `torch._mkldnn` tensor: it can only be passed to
 `packed_linear`; the layer keeps what it needs (shape) on the side.
 
-For one or two rows (single-stream decode, a server with one or two requests running) a linear
-layer only streams its weight, and oneDNN streams it at ~12-14 GB/s per core here. Such steps use
-a second copy of the weight in 16-wide panels (`pack_panels`, `ops/csrc/panel_gemm.cpp`), which
-the C++ loop reads as one sequential stream. Measured on one core (the other one busy), the 121
-SmolLM2 matrices (layers and LM head), one pass, median of 5: 1 row oneDNN 38 ms vs panels 20 ms,
-2 rows 46 vs 23 ms, 3 rows 34 vs 49 ms: hence `PANEL_MAX_ROWS = 2`. Reproduce with
-`python -m benchmarks.gemm_bench --tokens 1 2 3 --threads 1 --skip-dense`. The cost is memory: one
-more copy of every weight matrix (538 MB for SmolLM2-135M; per TP rank, its shard).
+For one or two rows (single-stream decode, a server with one or two requests running) a linear layer
+only streams its weight, and oneDNN streams it at ~12-14 GB/s per core here. With
+`EngineConfig.cpu_panel_gemm` (off by default) such steps use a second copy of the weight in 16-wide
+panels (`pack_panels`, `ops/csrc/panel_gemm.cpp`), which the C++ loop reads as one sequential
+stream. Measured on one core (the other one busy), the 121 SmolLM2 matrices (layers and LM head),
+one pass, median of 5: 1 row oneDNN 38 ms vs panels 20 ms, 2 rows 46 vs 23 ms, 3 rows 34 vs 49 ms:
+hence `PANEL_MAX_ROWS = 2`. Reproduce with `python -m benchmarks.gemm_bench --tokens 1 2 3 --threads
+1 --skip-dense`. The cost is memory: one more copy of every weight matrix (538 MB for SmolLM2-135M;
+per TP rank, its shard). It is off by default because it gives up the batch independence above: a
+row's last bits then depend on whether its step had 1-2 rows or more, and raytp's batch jobs promise
+that a re-run (other batching) and the HTTP server give the same bytes
+(tests/batch/test_http_parity.py, test_run.py).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy for compute_logits, see pack_weights
         self.panel_weight: torch.Tensor | None = None  # panel copy for one or two rows, see cpu_gemm
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, panels: bool = False) -> bool:
         """Give compute_logits a oneDNN-packed copy of the weight when it can run there; True if it did.
 
         A tied head leaves the embedding its dense weight (token lookup needs it), so packing costs one
@@ -96,7 +96,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         batch 64 on 2 cores. An untied head releases its dense weight, as linear layers do.
         """
         if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
-            if cpu_gemm.can_use_panels(self.weight):
+            if panels and cpu_gemm.can_use_panels(self.weight):
                 self.panel_weight = cpu_gemm.pack_panels(self.weight)
             self.packed_weight = cpu_gemm.pack_weight(self.weight)
             if not self.tied:

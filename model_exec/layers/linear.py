@@ -91,14 +91,15 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
-    def pack_weights(self) -> bool:
-        """Move the loaded weight into oneDNN's layout when it can run there; True if it did.
+    def pack_weights(self, panels: bool = False) -> bool:
+        """Move the loaded weight into oneDNN's layout when it can run there; True if it did. With
+        `panels`, also keep the panel copy that 1-2 row batches read (see `cpu_gemm`).
 
         The parameter keeps its shape but becomes a zero-stride view of one element (no memory), so
         loading into it afterwards fails loudly instead of writing a matrix nobody reads.
         """
         if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
-            if cpu_gemm.can_use_panels(self.weight):
+            if panels and cpu_gemm.can_use_panels(self.weight):
                 self.panel_weight = cpu_gemm.pack_panels(self.weight)
             self.packed_weight = cpu_gemm.pack_weight(self.weight)
             self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)

@@ -77,11 +77,12 @@ def build_model(
     return model  # type: ignore[return-value]  # nn.Module subclasses satisfy CausalLM
 
 
-def pack_weights(model: CausalLM) -> int:
+def pack_weights(model: CausalLM, panels: bool = False) -> int:
     """After `load_weights`: let every layer that can move its weight into a faster layout for its
-    device (oneDNN on the CPU, see `layers.cpu_gemm`). Returns how many layers did. Weights cannot be
-    loaded again afterwards."""
+    device (oneDNN on the CPU, see `layers.cpu_gemm`), plus the panel copy for 1-2 row steps when
+    `panels` (EngineConfig.cpu_panel_gemm). Returns how many layers did. Weights cannot be loaded
+    again afterwards."""
     from model_exec.layers.embedding import ParallelLMHead
     from model_exec.layers.linear import LinearBase
 
-    return sum(1 for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.pack_weights())
+    return sum(1 for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.pack_weights(panels))

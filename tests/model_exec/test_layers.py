@@ -294,7 +294,7 @@ def test_linear_layers_use_panels_for_one_or_two_rows_only() -> None:
     layer.bias.data.copy_(bias)
     if not (cpu_gemm.can_pack(weight) and cpu_gemm.can_use_panels(weight)):
         pytest.skip("needs oneDNN and the C++ kernels built with AVX2")
-    assert layer.pack_weights() and layer.panel_weight is not None
+    assert layer.pack_weights(panels=True) and layer.panel_weight is not None
     for rows in (1, 2, 3, 17):
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
