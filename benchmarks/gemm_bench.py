@@ -1,7 +1,7 @@
 """The linear layers of one forward pass, `F.linear` (MKL) vs oneDNN-prepacked weights vs panels.
 
     python -m benchmarks.gemm_bench [--tokens 1 64 512] [--threads 2]
-    python -m benchmarks.gemm_bench --tokens 1 2 3 4 --skip-dense   # where panels stop paying
+    python -m benchmarks.gemm_bench --tokens 1 2 6 16 64 256 512 --skip-dense   # panels vs oneDNN
 
 Random fp32 matrices at SmolLM2-135M's shapes (per layer: fused QKV 960x576, o_proj 576x576,
 fused gate/up 3072x576, down 576x1536; 30 layers) plus the 49152x576 LM head. Prints the

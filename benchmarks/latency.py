@@ -57,7 +57,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (median reported)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpu-panel-gemm", action="store_true", help="raytp with EngineConfig.cpu_panel_gemm")
+    ap.add_argument(
+        "--cpu-panel-gemm", action=argparse.BooleanOptionalAction, default=True, help="EngineConfig.cpu_panel_gemm"
+    )
     ap.add_argument("--vllm-log", default=None, help="write vLLM's own log here (default: discarded)")
     args = ap.parse_args()
 

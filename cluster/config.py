@@ -68,10 +68,9 @@ class EngineConfig:
     )
     attention_backend: str = _opt("auto", "paged attention kernel", ATTENTION_BACKENDS)
     cpu_panel_gemm: bool = _opt(
-        False,
-        "CPU fp32: keep a second, panel-packed copy of every weight for steps of 1-2 rows (single-stream "
-        "decode ~1.5x faster, one more copy of the weights in memory; a row's results then depend on "
-        "how many rows share its step, so re-runs with other batching may differ in the last bits)",
+        True,
+        "CPU fp32: run linear layers on raytp's panel-packed GEMM instead of oneDNN (~1.6x faster "
+        "single-stream decode, about even for large batches; same bits whatever the batching)",
     )
     disable_log_stats: bool = _opt(False, "record no engine metrics (vLLM's flag; Ray Serve's own series remain)")
 

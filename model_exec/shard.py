@@ -81,7 +81,7 @@ class ModelShard:
         dtype: str,
         attention_backend: str,
         block_size: int,
-        panel_gemm: bool = False,
+        panel_gemm: bool = True,
     ) -> None:
         """Join the TP group, build this rank's shard on its device and stream its weights in."""
         self.device = resolve_device(device)

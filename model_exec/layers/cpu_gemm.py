@@ -1,30 +1,32 @@
-"""Prepacked oneDNN weights for fp32 linear layers on the CPU.
+"""The fp32 CPU linear layers: raytp's panel GEMM (default) or oneDNN-prepacked weights.
 
 `F.linear` on the CPU goes to MKL, which reads an `[out, in]` weight at ~10-12 GB/s on this
-project's AMD machines (MKL picks generic code paths on non-Intel CPUs). oneDNN, with the weight
-reordered once into its blocked layout, runs the same products much faster. Measured on 2 cores,
-SmolLM2-135M's 120 layer matrices (`python -m benchmarks.gemm_bench`): one token 37 -> 21 ms,
-64 tokens 108 -> 73 ms, 512 tokens ~1.2x; the 49152 x 576 LM head at 64 rows 56 -> 29 ms.
+project's AMD machines (MKL picks generic code paths on non-Intel CPUs). Both layouts here beat it.
 
-The packing hint (batch size) is left unset: measured, it is the best single layout for every
-batch size from 1 to 2048 tokens. Each output row depends on its own input row only (oneDNN does
-not split the reduction across rows), so results do not depend on the batch.
+**Panels** (`EngineConfig.cpu_panel_gemm`, on by default): every weight is repacked once into
+16-wide panels (`pack_panels`: `[ceil(out / 16), in, 16]`) and `ops/csrc/panel_gemm.cpp` computes
+every batch size from them: tiles of many rows for prefill chunks and large decode batches, few rows
+across several panels for a decode step of one or two sequences, where the time is streaming the
+weight once and the panel layout makes that one sequential read. Every output element is one FMA
+chain over the input features in order, whatever the batch, so a row's result does not depend on
+how many rows share its step (the batch jobs' byte-identical re-runs rely on that, tests/batch).
+Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), interleaved medians, ms
+(`python -m benchmarks.gemm_bench --tokens 1 2 6 16 64 256 512 --skip-dense`):
 
-The packed tensor is an opaque `torch._mkldnn` tensor: it can only be passed to
+    rows       1     2     6    16    64   256   512
+    oneDNN   30.4  31.5  25.9  38.3  112   393   771
+    panels   18.5  18.0  24.4  37.2  104   404   823
+
+The bulk tiles use AVX-512 where the CPU has it (these Zen 4 VMs do) and AVX2 otherwise, with the
+same bits; on AVX2 alone they are 5-20% slower than oneDNN from 16 rows up.
+
+**oneDNN** (`cpu_panel_gemm=False`, or the panel kernel not built): the weight reordered once into
+oneDNN's blocked layout. The packing hint (batch size) is left unset: measured, it is the best
+single layout for every batch size from 1 to 2048 tokens. Each output row depends on its own input
+row only here too. The packed tensor is an opaque `torch._mkldnn` tensor: it can only be passed to
 `packed_linear`; the layer keeps what it needs (shape) on the side.
 
-For one or two rows (single-stream decode, a server with one or two requests running) a linear layer
-only streams its weight, and oneDNN streams it at ~12-14 GB/s per core here. With
-`EngineConfig.cpu_panel_gemm` (off by default) such steps use a second copy of the weight in 16-wide
-panels (`pack_panels`, `ops/csrc/panel_gemm.cpp`), which the C++ loop reads as one sequential
-stream. Measured on one core (the other one busy), the 121 SmolLM2 matrices (layers and LM head),
-one pass, median of 5: 1 row oneDNN 38 ms vs panels 20 ms, 2 rows 46 vs 23 ms, 3 rows 34 vs 49 ms:
-hence `PANEL_MAX_ROWS = 2`. Reproduce with `python -m benchmarks.gemm_bench --tokens 1 2 3 --threads
-1 --skip-dense`. The cost is memory: one more copy of every weight matrix (538 MB for SmolLM2-135M;
-per TP rank, its shard). It is off by default because it gives up the batch independence above: a
-row's last bits then depend on whether its step had 1-2 rows or more, and raytp's batch jobs promise
-that a re-run (other batching) and the HTTP server give the same bytes
-(tests/batch/test_http_parity.py, test_run.py).
+Either way a layer holds one packed copy and releases its dense weight.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import torch.nn.functional as F
 from ops.attention import cpu_kernels
 
 PANEL = 16  # output features per panel (ops/csrc/panel_gemm.cpp's kPanel)
-PANEL_MAX_ROWS = 2  # batches up to this many rows use the panels, larger ones oneDNN (measured, above)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -81,6 +82,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T + bias for x [M, in] (M small) with W packed by `pack_panels`."""
-    y = torch.ops.raytp_cpu.panel_linear(x if x.stride(-1) == 1 else x.contiguous(), panels, out_features)
-    return y if bias is None else y.add_(bias)
+    """x @ W^T + bias for x [..., in] with W packed by `pack_panels`."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    y = torch.ops.raytp_cpu.panel_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), panels, out_features)
+    if bias is not None:
+        y.add_(bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)

@@ -85,30 +85,36 @@ class ParallelLMHead(VocabParallelEmbedding):
         shared = None if tied_to is None else tied_to.weight
         super().__init__(num_embeddings, embedding_dim, tp, params_dtype, shared)
         self.tied = tied_to is not None
-        self.packed_weight: torch.Tensor | None = None  # oneDNN copy for compute_logits, see pack_weights
-        self.panel_weight: torch.Tensor | None = None  # panel copy for one or two rows, see cpu_gemm
+        # At most one of these is set, by pack_weights(): compute_logits' copy of the weight.
+        self.panel_weight: torch.Tensor | None = None  # cpu_gemm.pack_panels layout
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout
 
-    def pack_weights(self, panels: bool = False) -> bool:
-        """Give compute_logits a oneDNN-packed copy of the weight when it can run there; True if it did.
+    def pack_weights(self, panels: bool = True) -> bool:
+        """Give compute_logits a packed copy of the weight (panels when `panels`, else oneDNN's
+        layout, see `cpu_gemm`) when it can run there; True if it did.
 
         A tied head leaves the embedding its dense weight (token lookup needs it), so packing costs one
         more copy of the vocabulary matrix (113 MB for SmolLM2-135M); it halves the head's time at
         batch 64 on 2 cores. An untied head releases its dense weight, as linear layers do.
         """
-        if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
-            if panels and cpu_gemm.can_use_panels(self.weight):
-                self.panel_weight = cpu_gemm.pack_panels(self.weight)
+        if self.panel_weight is not None or self.packed_weight is not None:
+            return True
+        if panels and cpu_gemm.can_use_panels(self.weight):
+            self.panel_weight = cpu_gemm.pack_panels(self.weight)
+        elif cpu_gemm.can_pack(self.weight):
             self.packed_weight = cpu_gemm.pack_weight(self.weight)
-            if not self.tied:
-                self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
-        return self.packed_weight is not None
+        else:
+            return False
+        if not self.tied:
+            self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
+        return True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied through compute_logits(hidden)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab_size] on rank 0; None on other ranks."""
-        if self.panel_weight is not None and hidden.dim() == 2 and hidden.shape[0] <= cpu_gemm.PANEL_MAX_ROWS:
+        if self.panel_weight is not None:
             local = cpu_gemm.panel_linear(hidden, self.panel_weight, self.weight.shape[0], None)
         elif self.packed_weight is not None:
             local = cpu_gemm.packed_linear(hidden, self.packed_weight, None)

@@ -10,9 +10,9 @@ Column-parallel layers split output features across ranks and never gather: thei
 output feeds an activation or attention that works per shard. Row-parallel layers
 split input features and all-reduce the partial sums.
 
-After loading, `pack_weights()` may move a weight into oneDNN's blocked layout (fp32 on the CPU,
-see `cpu_gemm`); the dense copy is then released and `forward` runs the packed product. Weights
-load once, before packing.
+After loading, `pack_weights()` may move an fp32 CPU weight into a faster layout (raytp's 16-wide
+panels by default, else oneDNN's blocked one; see `cpu_gemm`); the dense copy is then released and
+`forward` runs the packed product. Weights load once, before packing.
 """
 
 from __future__ import annotations
@@ -81,32 +81,35 @@ class LinearBase(nn.Module):
         )
         _set_loader(self.weight, self.weight_loader)
         _set_loader(self.bias, self.weight_loader)
-        # oneDNN copy of `weight`, set by pack_weights(); when set, `weight` holds no data.
-        self.packed_weight: torch.Tensor | None = None
-        # Panel copy for batches of at most cpu_gemm.PANEL_MAX_ROWS rows, set by pack_weights().
-        self.panel_weight: torch.Tensor | None = None
+        # At most one of these is set, by pack_weights(); then `weight` holds no data.
+        self.panel_weight: torch.Tensor | None = None  # cpu_gemm.pack_panels layout
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         raise NotImplementedError
 
-    def pack_weights(self, panels: bool = False) -> bool:
-        """Move the loaded weight into oneDNN's layout when it can run there; True if it did. With
-        `panels`, also keep the panel copy that 1-2 row batches read (see `cpu_gemm`).
+    def pack_weights(self, panels: bool = True) -> bool:
+        """Move the loaded weight into the panel layout (`panels`, EngineConfig.cpu_panel_gemm) or
+        oneDNN's when it can run there; True if it did (see `cpu_gemm` for the choice).
 
         The parameter keeps its shape but becomes a zero-stride view of one element (no memory), so
         loading into it afterwards fails loudly instead of writing a matrix nobody reads.
         """
-        if self.packed_weight is None and cpu_gemm.can_pack(self.weight):
-            if panels and cpu_gemm.can_use_panels(self.weight):
-                self.panel_weight = cpu_gemm.pack_panels(self.weight)
+        if self.panel_weight is not None or self.packed_weight is not None:
+            return True
+        if panels and cpu_gemm.can_use_panels(self.weight):
+            self.panel_weight = cpu_gemm.pack_panels(self.weight)
+        elif cpu_gemm.can_pack(self.weight):
             self.packed_weight = cpu_gemm.pack_weight(self.weight)
-            self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
-        return self.packed_weight is not None
+        else:
+            return False
+        self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
+        return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.panel_weight is not None and x.dim() == 2 and x.shape[0] <= cpu_gemm.PANEL_MAX_ROWS:
+        if self.panel_weight is not None:
             return cpu_gemm.panel_linear(x, self.panel_weight, self.weight.shape[0], bias)
         if self.packed_weight is not None:
             return cpu_gemm.packed_linear(x, self.packed_weight, bias)

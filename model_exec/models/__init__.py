@@ -77,11 +77,11 @@ def build_model(
     return model  # type: ignore[return-value]  # nn.Module subclasses satisfy CausalLM
 
 
-def pack_weights(model: CausalLM, panels: bool = False) -> int:
+def pack_weights(model: CausalLM, panels: bool = True) -> int:
     """After `load_weights`: let every layer that can move its weight into a faster layout for its
-    device (oneDNN on the CPU, see `layers.cpu_gemm`), plus the panel copy for 1-2 row steps when
-    `panels` (EngineConfig.cpu_panel_gemm). Returns how many layers did. Weights cannot be loaded
-    again afterwards."""
+    device (on the CPU, fp32: raytp's panels when `panels` (EngineConfig.cpu_panel_gemm), else
+    oneDNN's; see `layers.cpu_gemm`). Returns how many layers did. Weights cannot be loaded again
+    afterwards."""
     from model_exec.layers.embedding import ParallelLMHead
     from model_exec.layers.linear import LinearBase
 
