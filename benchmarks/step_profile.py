@@ -30,7 +30,18 @@ _ids = itertools.count()
 
 # torch.profiler op-name prefixes -> the category a step's time is charged to.
 _CATEGORIES = (
-    ("gemm", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn::_linear")),
+    (
+        "gemm",
+        (
+            "aten::addmm",
+            "aten::mm",
+            "aten::linear",
+            "aten::matmul",
+            "aten::bmm",
+            "mkldnn::_linear",
+            "raytp_cpu::panel_linear",
+        ),
+    ),
     (
         "attention",
         ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::index_select", "raytp_cpu::paged"),
