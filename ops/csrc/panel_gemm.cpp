@@ -173,6 +173,8 @@ RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, in
     for (int p = 0; p < NP; ++p) store_panel(out.ptr + m * out.ld + p * kPanel, out.n_left - p * kPanel, res[m][p]);
 }
 
+// `tiles` again, but carrying the target attribute so that tile512 can inline into it (GCC does not
+// inline an AVX-512 function into one built for AVX2 only).
 template <int MB, int NP>
 RAYTP_AVX512 void tiles512(const float* x, int64_t ldx, const float* wp, int64_t k_len, int64_t g_begin,
                            int64_t g_end, float* op, int64_t ldo, int64_t n) {
