@@ -10,12 +10,14 @@ across several panels for a decode step of one or two sequences, where the time 
 weight once and the panel layout makes that one sequential read. Every output element is one FMA
 chain over the input features in order, whatever the batch, so a row's result does not depend on
 how many rows share its step (the batch jobs' byte-identical re-runs rely on that, tests/batch).
-Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), interleaved medians, ms
-(`python -m benchmarks.gemm_bench --tokens 1 2 6 16 64 256 512 --skip-dense`):
+Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), one pass, ms: medians of 6
+rounds of a scratch script that alternated the two kernels round by round (1-6 rows in one run,
+16-512 in another); `python -m benchmarks.gemm_bench --tokens 1 2 6 16 64 256 512 --skip-dense`
+prints the same comparison, one kernel after the other:
 
     rows       1     2     6    16    64   256   512
     oneDNN   30.4  31.5  25.9  38.3  112   393   771
-    panels   18.5  18.0  24.4  37.2  104   404   823
+    panels   18.5  18.0  24.4  38.8  104   404   823
 
 The bulk tiles use AVX-512 where the CPU has it (these Zen 4 VMs do) and AVX2 otherwise, with the
 same bits; on AVX2 alone they are 5-20% slower than oneDNN from 16 rows up.
