@@ -90,3 +90,28 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     if bias is not None:
         y.add_(bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+
+def pack(weight: torch.Tensor, panels: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """(panel copy, oneDNN copy) of `weight`, exactly one set: panels when `panels` and the kernel is
+    built, else oneDNN's layout; None when neither can run this weight (it stays dense)."""
+    if panels and can_use_panels(weight):
+        return pack_panels(weight), None
+    if can_pack(weight):
+        return None, pack_weight(weight)
+    return None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    panel_weight: torch.Tensor | None,
+    packed_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ W^T + bias from whichever copy `pack` made (`weight` is read only when neither exists)."""
+    if panel_weight is not None:
+        return panel_linear(x, panel_weight, weight.shape[0], bias)
+    if packed_weight is not None:
+        return packed_linear(x, packed_weight, bias)
+    return F.linear(x, weight, bias)

@@ -99,12 +99,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """
         if self.panel_weight is not None or self.packed_weight is not None:
             return True
-        if panels and cpu_gemm.can_use_panels(self.weight):
-            self.panel_weight = cpu_gemm.pack_panels(self.weight)
-        elif cpu_gemm.can_pack(self.weight):
-            self.packed_weight = cpu_gemm.pack_weight(self.weight)
-        else:
+        copies = cpu_gemm.pack(self.weight, panels)
+        if copies is None:
             return False
+        self.panel_weight, self.packed_weight = copies
         if not self.tied:
             self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
         return True
@@ -114,11 +112,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab_size] on rank 0; None on other ranks."""
-        if self.panel_weight is not None:
-            local = cpu_gemm.panel_linear(hidden, self.panel_weight, self.weight.shape[0], None)
-        elif self.packed_weight is not None:
-            local = cpu_gemm.packed_linear(hidden, self.packed_weight, None)
-        else:
-            local = F.linear(hidden, self.weight)
+        local = cpu_gemm.linear(hidden, self.weight, self.panel_weight, self.packed_weight, None)
         gathered = self.tp.gather(local, dim=-1)
         return None if gathered is None else gathered[..., : self.num_embeddings]

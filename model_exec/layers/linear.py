@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_exec.layers import cpu_gemm
@@ -99,21 +98,15 @@ class LinearBase(nn.Module):
         """
         if self.panel_weight is not None or self.packed_weight is not None:
             return True
-        if panels and cpu_gemm.can_use_panels(self.weight):
-            self.panel_weight = cpu_gemm.pack_panels(self.weight)
-        elif cpu_gemm.can_pack(self.weight):
-            self.packed_weight = cpu_gemm.pack_weight(self.weight)
-        else:
+        copies = cpu_gemm.pack(self.weight, panels)
+        if copies is None:
             return False
+        self.panel_weight, self.packed_weight = copies
         self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.panel_weight is not None:
-            return cpu_gemm.panel_linear(x, self.panel_weight, self.weight.shape[0], bias)
-        if self.packed_weight is not None:
-            return cpu_gemm.packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
+        return cpu_gemm.linear(x, self.weight, self.panel_weight, self.packed_weight, bias)
 
 
 class ReplicatedLinear(LinearBase):
