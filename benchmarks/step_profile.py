@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     ap.add_argument("--profile", choices=("none", "torch", "cprofile"), default="none")
     ap.add_argument("--sort", choices=("cumulative", "tottime"), default="cumulative", help="cprofile's order")
     ap.add_argument(
@@ -134,6 +135,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        **({} if args.block_size is None else {"block_size": args.block_size}),
     ).llm_engine
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)

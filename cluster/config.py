@@ -47,7 +47,9 @@ class EngineConfig:
     device: str = _opt("auto", "auto: cuda when available, else cpu", ("auto", "cpu", "cuda"))
     seed: int = _opt(0, "seed of the engine RNG, which draws a seed for every request that has none")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's)")
-    block_size: int = _opt(16, "tokens per KV block (a power of two)")
+    block_size: int | None = _opt(
+        None, "tokens per KV block, a power of two (default: 128 on CPU, as vLLM's CPU backend; 16 on CUDA)"
+    )
     max_num_seqs: int = _opt(256, "sequences (batch rows) per step")
     max_num_batched_tokens: int | None = _opt(
         None, "tokens per step (default: 2048 with chunked prefill, else max_model_len)"
@@ -83,7 +85,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}."
             )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from cluster.config import EngineConfig
+from cluster.device import default_block_size
 from cluster.executor import Executor
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
@@ -45,7 +46,7 @@ class EngineDeadError(RuntimeError):
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    """Fill the knobs whose defaults depend on the model."""
+    """Fill the knobs whose defaults depend on the model or the device."""
     max_model_len = model_config.max_position_embeddings
     window = model_config.sliding_window
     if window is not None and window < max_model_len:
@@ -68,7 +69,10 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
-    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
+    block_size = config.block_size if config.block_size is not None else default_block_size(config)
+    return dataclasses.replace(
+        config, max_model_len=max_model_len, max_num_batched_tokens=budget, block_size=block_size
+    )
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
@@ -95,6 +99,7 @@ class LLMEngine:
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.executor = executor_factory(self.config, self.model_config)
+        assert self.config.block_size is not None
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         self.executor.init_cache(num_device_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(

@@ -74,6 +74,7 @@ class Worker:
         from model_exec.shard import ModelShard
 
         cfg = self.config
+        assert cfg.block_size is not None, "the engine resolves block_size before it starts workers"
         self.shard = ModelShard(
             resolve_model(cfg.model, cfg.revision),
             self.model_config,
