@@ -117,10 +117,13 @@ def test_smollm2_prefix_cache_hits_match_hf() -> None:
     from model_exec.source import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))
-    system = "You are a careful assistant. Answer briefly and precisely. " * 3
+    # Only whole KV blocks are cached: the shared prefix spans more than one block of the default size
+    # (128 tokens on CPU).
+    system = "You are a careful assistant. Answer briefly and precisely. " * 12
     prompts = [tok.encode(system + q) for q in PROMPTS[:4]]
     expected = hf_greedy(None, prompts, MAX_NEW)
     llm = LLM(None, enable_prefix_caching=True)
+    assert len(tok.encode(system)) > llm.llm_engine.config.block_size
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == expected
