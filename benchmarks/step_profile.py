@@ -135,7 +135,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
-        **({} if args.block_size is None else {"block_size": args.block_size}),
+        block_size=args.block_size,
     ).llm_engine
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)

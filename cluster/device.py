@@ -1,11 +1,13 @@
-"""Which device the model will run on, decided where the engine is built (before any worker starts).
+"""Which device the model will run on, decided once where the engine is built (before any worker starts).
 
-The workers resolve `device` for themselves (`model_exec.shard.resolve_device`); the engine needs the
-answer earlier for the defaults that depend on it (the KV block size) and the Ray executor for the
-resources its worker actors reserve. Both read it here so they never disagree.
+`resolve_config` turns `device="auto"` into "cpu" or "cuda" here, so the defaults that depend on it
+(the KV block size), the resources the Ray executor reserves and the device each worker loads onto
+all follow one answer.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from cluster.config import EngineConfig
 
@@ -19,22 +21,22 @@ CPU_BLOCK_SIZE = 128
 CUDA_BLOCK_SIZE = 16
 
 
-def runs_on_cuda(config: EngineConfig) -> bool:
-    """True when the model's ranks run on CUDA: `device` as given, or for `auto` whether a GPU is there
-    (this process's for the in-process executor, the Ray cluster's for Ray workers)."""
-    if config.device != "auto":
-        return config.device == "cuda"
+def resolve_device(config: EngineConfig) -> Literal["cpu", "cuda"]:
+    """`device` as given, or for `auto` whether a GPU is there: this process's for the in-process
+    executor, the Ray cluster's for Ray workers (which then reserve one GPU per rank)."""
+    if config.device in ("cpu", "cuda"):
+        return "cpu" if config.device == "cpu" else "cuda"
     if config.executor_backend == "inprocess":
         import torch
 
-        return torch.cuda.is_available()
+        return "cuda" if torch.cuda.is_available() else "cpu"
     import ray
 
     from cluster.ray_utils import ensure_ray
 
     ensure_ray()
-    return bool(ray.cluster_resources().get("GPU", 0) >= 1)
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
-def default_block_size(config: EngineConfig) -> int:
-    return CUDA_BLOCK_SIZE if runs_on_cuda(config) else CPU_BLOCK_SIZE
+def default_block_size(device: Literal["cpu", "cuda"]) -> int:
+    return CUDA_BLOCK_SIZE if device == "cuda" else CPU_BLOCK_SIZE

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from cluster.config import EngineConfig
-from cluster.device import default_block_size
+from cluster.device import default_block_size, resolve_device
 from cluster.executor import Executor
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
@@ -69,9 +69,10 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
-    block_size = config.block_size if config.block_size is not None else default_block_size(config)
+    device = resolve_device(config)
+    block_size = config.block_size if config.block_size is not None else default_block_size(device)
     return dataclasses.replace(
-        config, max_model_len=max_model_len, max_num_batched_tokens=budget, block_size=block_size
+        config, device=device, max_model_len=max_model_len, max_num_batched_tokens=budget, block_size=block_size
     )
 
 
@@ -99,9 +100,9 @@ class LLMEngine:
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.executor = executor_factory(self.config, self.model_config)
-        assert self.config.block_size is not None
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         self.executor.init_cache(num_device_blocks, num_cpu_blocks)
+        assert self.config.block_size is not None  # resolve_config filled it
         self.block_manager = BlockManager(
             block_size=self.config.block_size,
             num_device_blocks=num_device_blocks,

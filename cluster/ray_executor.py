@@ -37,7 +37,6 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
-from cluster.device import runs_on_cuda
 from cluster.executor import Executor
 from cluster.placement import create_placement_group, new_group_name, worker_bundle
 from cluster.ray_utils import ensure_ray, env_float
@@ -65,7 +64,7 @@ class RayExecutor(Executor):
         self.world_size = config.tensor_parallel_size
         self.step_timeout_s = env_float("RAYTP_STEP_TIMEOUT_S", 60.0)
         cpus = env_float("RAYTP_CPUS_PER_WORKER", 1.0)
-        use_gpu = runs_on_cuda(config)
+        use_gpu = config.device == "cuda"  # resolve_config decided `auto` (cluster/device.py)
         self.workers: list[Any] = []  # actor handles, index = rank
         self.nodes: list[NodeInfo] = []
         self._kv_bytes: list[int | None] = [None] * self.world_size  # CPU KV budget per rank; None: its own

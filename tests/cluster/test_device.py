@@ -1,4 +1,4 @@
-"""The device-dependent defaults: KV block size 128 on CPU, 16 on CUDA, a given block_size kept."""
+"""The device-dependent defaults: `auto` resolved once, KV block size 128 on CPU and 16 on CUDA."""
 
 from __future__ import annotations
 
@@ -6,21 +6,43 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.device import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, default_block_size, runs_on_cuda
+from cluster.device import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, default_block_size, resolve_device
+from cluster.engine import resolve_config
+from model_exec.config import ModelConfig
 
 
-@pytest.mark.parametrize(("device", "cuda"), [("cpu", False), ("cuda", True)])
-def test_an_explicit_device_decides(device: str, cuda: bool) -> None:
-    config = EngineConfig(device=device)
-    assert runs_on_cuda(config) is cuda
-    assert default_block_size(config) == (CUDA_BLOCK_SIZE if cuda else CPU_BLOCK_SIZE)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_explicit_device_decides(device: str) -> None:
+    assert resolve_device(EngineConfig(device=device)) == device
 
 
 @pytest.mark.parametrize("available", [False, True])
 def test_auto_in_process_asks_torch(monkeypatch: pytest.MonkeyPatch, available: bool) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     config = EngineConfig(device="auto", distributed_executor_backend="inprocess")
-    assert default_block_size(config) == (CUDA_BLOCK_SIZE if available else CPU_BLOCK_SIZE)
+    assert resolve_device(config) == ("cuda" if available else "cpu")
+
+
+def test_default_block_size_per_device() -> None:
+    assert (default_block_size("cpu"), default_block_size("cuda")) == (CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE) == (128, 16)
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, CPU_BLOCK_SIZE), (32, 32)])
+def test_resolve_config_fills_device_and_block_size(given: int | None, expected: int) -> None:
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+    model = ModelConfig.from_hf_config(hf)
+    config = resolve_config(EngineConfig(device="cpu", block_size=given), model)
+    assert (config.device, config.block_size) == ("cpu", expected)
 
 
 def test_block_size_is_validated_only_when_given() -> None:
