@@ -1,13 +1,14 @@
 """Session-wide test setup: end the pytest process without C-level teardown once every result is out.
 
-Why: Ray 2.60 leaves native threads running in the driver after `ray.shutdown()` (its GCS client's
-io_service, gRPC's event engine and timer threads; after Ray Serve also the core worker's io thread
-and Serve's router event-loop thread). Checked with /proc/self/task after a plain ray.init() +
-ray.shutdown(). When the process then exits normally, the C++ static destructors of the loaded
-libraries run while those threads still use them. One CI run on 2026-11-23 passed all 781 tests and
-then died of SIGSEGV at exit (exit code 139, no Python stack even with PYTHONFAULTHANDLER=1, so it
-crashed after Python's own finalization); a local run had done the same the day before. This is
-Ray's known shutdown race (ray-project/ray#31145), not a raytp code path.
+Why: one CI run on 2026-11-23 passed all 781 tests and then died of SIGSEGV at exit (exit code
+139), with no Python stack even under PYTHONFAULTHANDLER=1, so it crashed after Python's own
+finalization, in C-level teardown; a local run had done the same the day before. It did not come
+back in five later full runs, so there is no core dump to name the culprit. The likely one: Ray 2.60
+leaves native threads running in the driver after `ray.shutdown()` (its GCS client's io_service,
+gRPC's event-engine and timer threads; after Ray Serve also the core worker's io thread and Serve's
+router event-loop thread; seen in /proc/self/task after a plain ray.init() + ray.shutdown()), and the
+libraries' C++ static destructors run under them at exit. Ray documents the same class of race for
+processes that init and shut down Ray repeatedly (ray-project/ray#31145), as this test process does.
 
 So once pytest has written its summary and every exit function that matters has run, the process
 leaves with os._exit and pytest's own exit status. Nothing about a test's result changes: a failing
