@@ -2,8 +2,8 @@
 
 Why: one CI run on 2026-11-23 passed all 781 tests and then died of SIGSEGV at exit (exit code
 139), with no Python stack even under PYTHONFAULTHANDLER=1, so it crashed after Python's own
-finalization, in C-level teardown; a local run had done the same the day before. It did not come
-back in five later full runs, so there is no core dump to name the culprit. The likely one: Ray 2.60
+finalization, in C-level teardown; a local run had done the same the day before. Four other local
+full runs did not crash, so there is no core dump to name the culprit. The likely one: Ray 2.60
 leaves native threads running in the driver after `ray.shutdown()` (its GCS client's io_service,
 gRPC's event-engine and timer threads; after Ray Serve also the core worker's io thread and Serve's
 router event-loop thread; seen in /proc/self/task after a plain ray.init() + ray.shutdown()), and the
