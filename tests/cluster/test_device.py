@@ -9,6 +9,7 @@ from cluster.config import EngineConfig
 from cluster.device import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, default_block_size, resolve_device
 from cluster.engine import resolve_config
 from model_exec.config import ModelConfig
+from tests.helpers.tiny_models import tiny_llama_config
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -29,18 +30,7 @@ def test_default_block_size_per_device() -> None:
 
 @pytest.mark.parametrize(("given", "expected"), [(None, CPU_BLOCK_SIZE), (32, 32)])
 def test_resolve_config_fills_device_and_block_size(given: int | None, expected: int) -> None:
-    from transformers import LlamaConfig
-
-    hf = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    model = ModelConfig.from_hf_config(hf)
+    model = ModelConfig.from_hf_config(tiny_llama_config())
     config = resolve_config(EngineConfig(device="cpu", block_size=given), model)
     assert (config.device, config.block_size) == ("cpu", expected)
 

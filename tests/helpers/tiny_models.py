@@ -93,11 +93,16 @@ _UNTIED_ROPE_SCALED_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def make_tiny_llama(tmp_path: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> str:
-    """Tied-embedding GQA Llama (8 q / 4 kv heads, 2 layers); returns the saved dir."""
+def tiny_llama_config(**overrides: Any) -> Any:
+    """The HF config of make_tiny_llama's model (a transformers LlamaConfig), nothing saved."""
     from transformers import LlamaConfig
 
-    return _make(Path(tmp_path) / "tiny-llama", LlamaConfig(**{**_LLAMA_DEFAULTS, **overrides}), seed)
+    return LlamaConfig(**{**_LLAMA_DEFAULTS, **overrides})
+
+
+def make_tiny_llama(tmp_path: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> str:
+    """Tied-embedding GQA Llama (8 q / 4 kv heads, 2 layers); returns the saved dir."""
+    return _make(Path(tmp_path) / "tiny-llama", tiny_llama_config(**overrides), seed)
 
 
 def make_tiny_qwen2(tmp_path: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> str:
