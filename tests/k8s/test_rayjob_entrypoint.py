@@ -15,7 +15,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from raytp.cli.args import engine_config_from_args
+from tests.helpers.ports import free_port
 from tests.k8s.chart import load_values, merged_values, one, render
 
 BIN = Path(sys.executable).parent
@@ -79,12 +79,6 @@ def test_entrypoint_quotes_what_the_shell_would_split() -> None:
 # ---- the entrypoint run as written on a local Ray cluster ---------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _local_ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
     """`ray start --head --block` in its own process group; yields the dashboard (job API) address.
@@ -92,13 +86,13 @@ def _local_ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
     Every port is chosen free and the temp dir is private, so other clusters on this machine are
     untouched; stopping it signals only this process group.
     """
-    dashboard = _free_port()
+    dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="rtp", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", f"--port={_free_port()}", f"--dashboard-port={dashboard}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+        f"--temp-dir={temp_dir}", f"--port={free_port()}", f"--dashboard-port={dashboard}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={free_port()}", f"--ray-client-server-port={free_port()}",
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -29,19 +28,14 @@ from typing import Any
 
 import yaml
 
+from tests.helpers.ports import free_port
+
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS_MISSING = (
     "Debian's `prometheus` package (prometheus and promtool) is not installed; .ci/setup.sh installs it "
     "with apt-get when it runs as root on a Debian-like system"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def job(name: str, targets: Sequence[str], metrics_path: str = "/metrics") -> dict[str, Any]:

@@ -8,7 +8,6 @@ driver, so tests can also reach the LLMServer deployment (for get_stats) and the
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,16 +21,11 @@ from ray import serve
 
 from raytp.openai.request_id import enable_proxy_guard
 from serve_app import build_app
+from tests.helpers.ports import free_port
 
 APP = "raytp"
 # Small KV pools: several engines (the server's and the offline reference) share the machine.
 SMALL_ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28, "swap_space": 0.25}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
