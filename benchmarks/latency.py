@@ -97,9 +97,9 @@ def main() -> None:
             vllm_ms.append(1000 * vllm.generate(work) / args.output_len)
         print(f"round {r + 1}: raytp {raytp_ms[-1]:.1f} ms/token" + (f", vllm {vllm_ms[-1]:.1f}" if vllm_ms else ""))
 
-    gb, floor = weight_read_floor_ms(hf_dir)
     llm.llm_engine.shutdown()
-    mem = raytp_mem.stop()
+    mem = raytp_mem.stop()  # before the floor's 0.5 GB buffer, which is not raytp's memory
+    gb, floor = weight_read_floor_ms(hf_dir)
     raytp_med = statistics.median(raytp_ms)
     print(f"single stream, {args.input_len} in / {args.output_len} out, median of {args.rounds} rounds:")
     print(f" raytp: {raytp_med:6.1f} ms/token   {mem.describe()}")

@@ -6,16 +6,28 @@ of those sums is kept. Two sums: RSS (what the issue's table asks for; it counts
 a shared-memory page once per process that maps it) and PSS (each shared page split among its
 sharers, so the processes' PSS add up to the memory they really hold). `engine_only` keeps the root
 and Ray's worker processes (`ray::...`: actors and Serve replicas) and drops Ray's own daemons.
+
+Sampling must not slow what it measures. RSS comes from `/proc/PID/statm` (a counter: ~15 us).
+PSS needs `/proc/PID/smaps_rollup`, which walks every mapping of the process under its mmap lock:
+~50 ms of kernel time for a 5 GiB process on the 2-core machines here, while a munmap in that
+process (torch frees large activations that way) waits for the walk. Read every 0.5 s, as this
+module once did, that took ~10% of a core per sampled engine, on the CPU the engines compute on.
+So PSS is read only when the tree's RSS has grown by `PSS_STEP` since the last PSS read (which
+tracks the peak, since PSS <= RSS and both grow together) and otherwise every `PSS_INTERVAL_S`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 _KIB = 1024
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+PSS_STEP = 64 << 20  # bytes of RSS growth that trigger a PSS read
+PSS_INTERVAL_S = 30.0  # and a PSS read at least this often
 
 
 @dataclass(frozen=True)
@@ -64,18 +76,23 @@ def _is_ray_worker(pid: int) -> bool:
         return False
 
 
-def _rollup(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in bytes; (0, 0) once it has exited."""
-    rss = pss = 0
+def _rss(pid: int) -> int:
+    """Resident bytes of one process (statm's second field, in pages); 0 once it has exited."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _pss(pid: int) -> int:
+    """Proportional set size of one process in bytes; 0 once it has exited. Costly: see the module doc."""
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1]) * _KIB
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1]) * _KIB
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * _KIB
     except (OSError, ValueError):
         pass
-    return rss, pss
+    return 0
 
 
 class PeakSampler:
@@ -91,6 +108,8 @@ class PeakSampler:
         self.engine_only = engine_only
         self.skip: set[int] = set()
         self._rss = self._pss = self._procs = 0
+        self._pss_at_rss = -PSS_STEP  # the tree's RSS when PSS was last read: the first sample reads it
+        self._pss_at = 0.0  # time.monotonic() of that read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"mem-{root}", daemon=True)
 
@@ -111,11 +130,13 @@ class PeakSampler:
         pids = tree(self.root, frozenset(self.skip))
         if self.engine_only:
             pids = [p for p in pids if p == self.root or _is_ray_worker(p)]
-        sums = [_rollup(p) for p in pids]
-        rss, pss = sum(r for r, _ in sums), sum(p for _, p in sums)
+        rss = sum(_rss(p) for p in pids)
         if rss > self._rss:
             self._rss, self._procs = rss, len(pids)
-        self._pss = max(self._pss, pss)
+        now = time.monotonic()
+        if rss >= self._pss_at_rss + PSS_STEP or now - self._pss_at >= PSS_INTERVAL_S:
+            self._pss = max(self._pss, sum(_pss(p) for p in pids))
+            self._pss_at_rss, self._pss_at = rss, now
 
     def _run(self) -> None:
         while not self._stop.is_set():
