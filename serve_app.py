@@ -8,8 +8,8 @@ The Serve graph, as `build_app` binds it:
 
     HTTP proxy -> OpenAIIngress (FastAPI routes: auth, parsing, tokenizer, chat template, response shapes)
                      -> LLMServer replicas (one per model replica; Serve balances across them)
-                           -> EngineController actor (scheduler, KV blocks, output processing)
-                                 -> placement group of TP worker actors (model shard + KV cache each)
+                           hosting the engine loop (scheduler, KV blocks, output processing)
+                              -> placement group of TP worker actors (model shard + KV cache each)
 
 A request's tokens come back as the engine's `RequestDelta`s (text, stop strings and logprobs
 already done by the engine's one output road); the ingress only shapes them into OpenAI's JSON
@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -36,7 +35,6 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
 from cluster.config import EngineConfig
-from cluster.engine import EngineDeadError
 from cluster.metrics.endpoint import CONTENT_TYPE, application_metrics
 from cluster.outputs import RequestDelta
 from model_exec.source import load_tokenizer, resolve_model
@@ -73,62 +71,55 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 class LLMServer:
-    """One model replica: owns one `EngineController` actor (which owns the TP workers, in their
-    placement group) and relays its deltas.
+    """One model replica: hosts the engine's step loop (`EngineLoop`: scheduler, KV blocks, output
+    processing) in this replica's process, and owns the TP worker actors, in their placement group.
 
-    Ownership is the lifetime: a replica that Serve stops or replaces takes its controller and
-    workers with it, so `num_replicas` / autoscaling scale whole model replicas. Decision: the
-    controller is an actor of its own rather than the engine living in the replica, so the step
-    loop never competes with Serve's request handling for the replica's event loop, and a dead
-    engine is observed (`check_health`) rather than crashing the replica.
+    Ownership is the lifetime: a replica that Serve stops or replaces takes its engine and workers
+    with it, so `num_replicas` / autoscaling scale whole model replicas.
+
+    Decision: the engine loop lives here, not in an actor of its own. Each streamed token then costs
+    one Ray message (this replica -> ingress) instead of two, and the process it crossed is gone,
+    which on a 2-core machine measured ~1.5 ms of CPU per token and ~300 MB (README, "Serving hops").
+    The step loop shares Serve's user-code event loop with the request streams, as it shared the
+    actor's loop with them before; Serve's own loop (health probes, routing) runs on another thread,
+    and the forward pass waits in the loop's step thread, never on the event loop. A dead engine
+    (a worker died, a step failed) is still observed by `check_health`, and Serve replaces the replica.
     """
 
     # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
     async def __init__(  # type: ignore[misc]
         self, engine_config: EngineConfig, max_waiting_requests: int | None = None, served_model_name: str | None = None
     ) -> None:
-        from cluster.controller import EngineController
+        from cluster.controller import EngineLoop
 
-        ctx = serve.get_replica_context()
-        # Named after the replica so operators (and tests) can find it in `ray list actors`.
-        name = f"EngineController:{ctx.app_name}:{ctx.replica_id.unique_id}"
-        # The replica id labels this engine's metrics (`replica`), as Serve's own series name replicas.
-        self._controller = EngineController.options(name=name).remote(  # type: ignore[attr-defined]
-            engine_config, replica=ctx.replica_id.unique_id, model_name=served_model_name
-        )
+        replica = serve.get_replica_context().replica_id.unique_id
+        # Loading the model blocks (it waits on the workers), so it runs off the event loop; the replica
+        # does not report ready before it is done. The replica id labels this engine's metrics
+        # (`replica`), as Serve's own series name replicas.
+        self._engine = await asyncio.to_thread(EngineLoop, engine_config, replica, served_model_name)
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
-        # Waiting here keeps the replica from reporting ready before the model is loaded.
-        self._info: dict[str, Any] = await self._controller.model_info.remote()
+        self._info: dict[str, Any] = await self._engine.model_info()
         logger.info("model replica ready: %s", self._info)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestDelta]:
-        """Relay the controller's deltas. Cancelling this stream (client gone) aborts the request."""
+        """Stream the engine's deltas. Cancelling this stream (client gone) aborts the request."""
         self._admit()
-        finished = False
         waiting = True  # counted in self._num_waiting until its first delta arrives
         try:
-            stream = self._controller.generate.options(num_returns="streaming").remote(
-                request_id, prompt_token_ids, params
-            )
-            async for ref in stream:
-                delta: RequestDelta = await ref
-                if waiting:
-                    waiting = False
-                    self._num_waiting -= 1
-                finished = delta.finished
-                yield delta
-        except ray.exceptions.RayActorError as e:
-            finished = True  # nothing left to abort
-            raise EngineDeadError(f"the engine controller died: {e}") from None
+            # aclosing: a stream closed early closes the engine's generator at once, which aborts the
+            # request and frees its blocks (not whenever the garbage collector finalizes it).
+            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as deltas:
+                async for delta in deltas:
+                    if waiting:
+                        waiting = False
+                        self._num_waiting -= 1
+                    yield delta
         finally:
             if waiting:
                 self._num_waiting -= 1
-            if not finished:
-                # Fire and forget: this task may be cancelled, and the abort must not wait on it.
-                self._controller.abort.remote(request_id)
 
     def _admit(self) -> None:
         """Refuse (503) once max_waiting_requests requests wait for their first token here.
@@ -148,24 +139,20 @@ class LLMServer:
         return self._info
 
     async def get_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self._controller.get_stats.remote()
-        return stats
+        return await self._engine.get_stats()
 
     async def health(self) -> None:
-        """Raises when the engine is dead (the ingress answers 503)."""
-        try:
-            await self._controller.check_health.remote()
-        except ray.exceptions.RayActorError as e:
-            raise EngineDeadError(f"the engine controller died: {e}") from None
+        """Raises EngineDeadError when the engine is dead (the ingress answers 503)."""
+        await self._engine.check_health()
 
     async def check_health(self) -> None:
         # Serve's health hook: raising marks this replica unhealthy, and Serve replaces it
-        # (and with it the controller and workers) with a fresh one.
+        # (and with it the engine and its workers) with a fresh one.
         await self.health()
 
     async def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # already dead: nothing to release
-            await self._controller.shutdown.remote()
+        with contextlib.suppress(Exception):  # a half-built or already failed engine: nothing to release
+            await self._engine.shutdown()
 
 
 # ----------------------------------------------------------------------------- HTTP ingress

@@ -1,7 +1,12 @@
-"""EngineController: one model replica's engine as an async Ray actor that streams per request.
+"""EngineLoop: one model replica's engine on an asyncio event loop, streaming per request.
 
-The actor owns the LLMEngine (scheduler, block manager, output processor, executor -> TP
-worker actors). Callers open one stream per request:
+The loop owns the LLMEngine (scheduler, block manager, output processor, executor -> TP
+worker actors). It runs in two homes, the same code in both:
+
+- in the Serve model replica's own process (`serve_app.LLMServer`), where each token reaches the
+  replica's request stream through an asyncio.Queue, with no Ray message between engine and server;
+- as the `EngineController` Ray actor (batch replicas, tests), where callers open one Ray stream per
+  request:
 
     gen = controller.generate.options(num_returns="streaming").remote(rid, ids, params)
 
@@ -10,8 +15,8 @@ already applied: the engine's one output road); the last has finished=True. Clos
 early (the caller cancelled) aborts the request and frees its blocks.
 
 Threading invariant: every scheduler/block-manager change (add, abort, schedule, update, fail)
-happens on the actor's event loop thread; only `engine.execute` (the workers' forward pass) runs in
-the one step thread. So adds and aborts land between or during steps without locks, and the
+happens on the one event loop thread that calls this object; only `engine.execute` (the workers'
+forward pass) runs in the one step thread. So adds and aborts land between or during steps without locks, and the
 scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
 while requests are in flight; the first new request restarts it.
 
@@ -21,7 +26,8 @@ pipeline, on the event loop between steps; each rank records its own step time.
 
 Decision: unless the config says `distributed_executor_backend="inprocess"`, the controller runs
 even TP=1 through the Ray executor, so the model sits in a placed worker actor that holds the
-GPU/CPU bundle, and the controller itself needs no accelerator — and, importing no torch, little memory.
+GPU/CPU bundle, and the process hosting the loop needs no accelerator — and, importing no torch,
+little memory.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -49,11 +55,11 @@ logger = logging.getLogger(__name__)
 MAX_CONCURRENT_CALLS = 4096  # each open stream holds one actor call slot for its lifetime
 
 
-@ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS)  # type: ignore[call-overload]  # actor options untyped
-class EngineController:
+class EngineLoop:
     def __init__(self, config: EngineConfig, replica: str | None = None, model_name: str | None = None) -> None:
-        """Labels of this engine's metrics: `replica` (the Serve replica id; default: this actor's name,
-        else its id) and `model_name` (the name clients use; default: the model's own)."""
+        """Loads the model (blocking: call it off the event loop). Labels of this engine's metrics:
+        `replica` (the Serve replica id; default: this actor's name, else its id) and `model_name`
+        (the name clients use; default: the model's own)."""
         if config.distributed_executor_backend is None:
             config = dataclasses.replace(config, distributed_executor_backend="ray")
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
@@ -75,7 +81,7 @@ class EngineController:
     # ------------------------------------------------------------------ requests
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here."""
         queue = self._add(request_id, prompt_token_ids, params)
         finished = False
@@ -210,3 +216,7 @@ class EngineController:
         self._step_thread.shutdown(wait=False)
         if self._telemetry is not None:
             self._telemetry.close()
+
+
+# The same loop as a Ray actor: one per batch replica (raytp/batch/replica.py), and in tests.
+EngineController = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS)(EngineLoop)  # type: ignore[call-overload]

@@ -8,6 +8,7 @@ and Serve checks the replica's health every second.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -161,16 +162,23 @@ def test_503_when_the_waiting_queue_is_over_its_bound(server: LiveServer) -> Non
             assert len(payload["choices"][0]["text"]) > 0
 
 
+def serve_workers() -> list[dict[str, str]]:
+    """The named TP worker actors of the model replicas (cluster/placement.py names them)."""
+    pattern = re.compile(r"raytp-[0-9a-f]{8}-rank\d+")
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if pattern.fullmatch(a["name"])]
+
+
 def test_503_when_the_engine_is_dead_then_replaced(server: LiveServer) -> None:
-    (name,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("EngineController:")]
+    # The engine loop runs in the model replica; losing its (only) worker kills the engine.
+    (name,) = serve_workers()
     ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]))
     r = requests.get(server.url("/health"), timeout=30)
     assert_error(r, 503, code="engine_unavailable")
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}), 503)
-    # Serve's health check fails the replica and starts a fresh one (a new controller and worker).
+    # Serve's health check fails the replica and starts a fresh one (a new engine and worker).
     deadline = time.monotonic() + 120
     while requests.get(server.url("/health"), timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "the model replica was not replaced"
         time.sleep(0.5)
-    live = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("EngineController:")]
+    live = serve_workers()
     assert len(live) == 1 and live[0]["name"] != name["name"]
