@@ -64,7 +64,21 @@ logger = logging.getLogger(__name__)
 # hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
 _HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
+# Ray Serve's high-throughput mode (Ray >= 2.56; docs.ray.io, "Enable High Throughput on Ray Serve
+# with KubeRay"): a replica runs user code on its own event loop instead of handing every streamed item
+# across threads, handles route in the caller's loop, and replicas stream to each other over gRPC.
+# Serve reads it when each of its processes starts, so it is a property of the cluster: `raytp serve`
+# sets it on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
+# benchmarks/serving_profile.py, README "Serving hops".
+SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def use_serve_defaults() -> None:
+    """Put SERVE_ENV_DEFAULTS into this process's environment, before it starts a Ray cluster whose
+    processes inherit it. A value the operator set already wins (e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0)."""
+    for name, value in SERVE_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 # ----------------------------------------------------------------------------- model replicas

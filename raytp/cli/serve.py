@@ -72,7 +72,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
 
     from cluster.ray_utils import ensure_ray
     from raytp.openai.request_id import enable_proxy_guard
-    from serve_app import ServeArgs, build_app
+    from serve_app import ServeArgs, build_app, use_serve_defaults
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
     _check_model(sa.engine)
@@ -86,6 +86,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     if not joined:
         _claim_the_machines_cores(sa)
     enable_proxy_guard()  # the HTTP proxies of a cluster started here validate X-Request-Id
+    use_serve_defaults()  # ... and run Serve's high-throughput mode
     ensure_ray()
     # After ray.init: Ray installs its own SIGTERM handler there; ours must win.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -20,7 +20,7 @@ import requests
 from ray import serve
 
 from raytp.openai.request_id import enable_proxy_guard
-from serve_app import build_app
+from serve_app import build_app, use_serve_defaults
 from tests.helpers.ports import free_port
 
 APP = "raytp"
@@ -67,7 +67,8 @@ class LiveServer:
 def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]:
     if ray.is_initialized():
         ray.shutdown()
-    enable_proxy_guard()  # as `raytp serve` does: the proxies it starts validate X-Request-Id
+    enable_proxy_guard()  # as `raytp serve` does: the proxies it starts validate X-Request-Id,
+    use_serve_defaults()  # and Serve runs in its high-throughput mode
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
