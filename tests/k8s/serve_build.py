@@ -4,7 +4,7 @@ what it built: `python -m tests.k8s.serve_build < config.json` prints JSON.
 A fresh process, so "no Ray was started and no model was loaded" is a fact about this build alone,
 whatever other tests in the same pytest run left initialised. The build is the controller's own two
 calls (import_attr, call_user_app_builder_with_args_if_necessary) then Serve's flattening into
-deployments; the model would be loaded only by engine controller actors on a running cluster.
+deployments; the model would be loaded only by the model replicas (and their workers) on a running cluster.
 """
 
 from __future__ import annotations

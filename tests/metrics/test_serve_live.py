@@ -1,7 +1,7 @@
 """A live raytp Serve app (the embedded SmolLM2) scraped by a real Prometheus: every dashboard query
 returns data, and the counters agree with what the clients received.
 
-The engine here is the real one: controller actor, Ray TP worker, small KV pool (so the load
+The engine here is the real one: the engine loop in the LLMServer replica, a Ray TP worker, small KV pool (so the load
 preempts). Prometheus scrapes the Ray node's metrics port, the target that
 k8s/prometheus/prometheus.yml finds through Ray's service-discovery file (that file is written by
 Ray's dashboard, which these tests do not start, so the same port is given statically). The load
