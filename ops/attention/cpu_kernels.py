@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (`csrc/paged_decode.cpp`, `../csrc/fused_layers.cpp`, `../csrc/panel_gemm.cpp`),
-compiled into one library once per machine at first use and cached.
+"""The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
+`../csrc/panel_gemm.cpp`), compiled into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
@@ -36,12 +36,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name("csrc") / "paged_decode.cpp",
+    Path(__file__).with_name("csrc") / "paged_prefill.cpp",
     Path(__file__).parents[1] / "csrc" / "fused_layers.cpp",  # ops/fused.py's norm, rotary and SiLU kernels
     Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
 ]
 # Every op the sources register: the library counts as loaded only when all of them are there.
 _OPS = (
     "paged_decode_attention",
+    "paged_prefill_attention",
     "rms_norm",
     "fused_add_rms_norm",
     "rotate_half_rope",
@@ -128,3 +130,23 @@ def paged_decode_attention(
     """out[r] = softmax(scale * q_r K_r^T) V_r for one query token per row, K/V read in place from the
     paged cache through block_tables[r] up to seq_lens[r]. fp32 CPU tensors; call `load_error()` first."""
     torch.ops.raytp_cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    first_row: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of rows [first_row, rows): row r's queries are query[query_start_loc[r]:
+    query_start_loc[r + 1]], the last of its seq_lens[r] positions; keys and values (this step's
+    included) are read in place from the paged cache. fp32 CPU tensors, head_dim a multiple of 8;
+    needs the AVX2 build (`vectorized()`) and `load_error()` first."""
+    torch.ops.raytp_cpu.paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, first_row, scale, out
+    )
