@@ -61,7 +61,7 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One work item. Scratch (per thread): q [nq, D], o [nq, D], kt [D, 16], s [nq, 16], m/l [nq].
+// One work item; `scratch` is the calling thread's, reused across its items.
 void run_job(const Job& job, const float* query, const float* key_cache, const float* value_cache,
              const int32_t* block_table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t q_row_stride,
              int64_t q_head_stride, int64_t o_row_stride, int64_t o_head_stride, int64_t num_heads,
@@ -73,13 +73,16 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
   const int64_t nq = nt * group;  // query vector n = t * group + h
   const int64_t ctx = seq_len - q_len;
   const int64_t token_stride = num_kv_heads * D;  // floats between consecutive cache slots
-  scratch.resize(static_cast<size_t>(2 * nq * D + D * kKeyTile + nq * kKeyTile + 2 * nq + 4 * D));
+  // q, o [nq, D]; kt [D, 16]; s [nq, 16]; m, l, corr, vis [nq].
+  scratch.resize(static_cast<size_t>(2 * nq * D + D * kKeyTile + nq * kKeyTile + 4 * nq));
   float* q = scratch.data();
   float* o = q + nq * D;
   float* kt = o + nq * D;
   float* s = kt + D * kKeyTile;
   float* m = s + nq * kKeyTile;
   float* l = m + nq;
+  float* corr = l + nq;
+  float* vis = corr + nq;  // keys of the current tile each query sees (at most 16: exact as a float)
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int64_t t = 0; t < nt; ++t) {
@@ -161,10 +164,12 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
       _mm256_storeu_ps(s + n * kKeyTile + 8, a1);
     }
 
-    // Causal mask and online softmax, one query vector at a time; then o_n += p_n V.
+    // Causal mask and online softmax, one query vector at a time: s_n becomes p_n (exactly 0 on the
+    // masked keys), m and l are updated, and corr_n is the factor o_n must be rescaled by.
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     for (n = n0; n < nq; ++n) {
       const int64_t visible = std::min<int64_t>(nk, ctx + job.t0 + n / group - k0 + 1);  // keys k0 .. k0+visible-1
+      vis[n] = static_cast<float>(visible);
       float* sn = s + n * kKeyTile;
       const __m256 lim = _mm256_set1_ps(static_cast<float>(visible));
       const __m256 keep0 = _mm256_cmp_ps(lane, lim, _CMP_LT_OQ);
@@ -174,39 +179,73 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
       __m256 s1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sn + 8), keep1);
       const float tile_max = hmax8(_mm256_max_ps(s0, s1));
       const float m_new = std::max(m[n], tile_max);
-      const float corr = m[n] == neg_inf ? 0.f : std::exp(m[n] - m_new);
+      corr[n] = m[n] == neg_inf ? 0.f : std::exp(m[n] - m_new);
       const __m256 mv = _mm256_set1_ps(m_new);
       s0 = _mm256_and_ps(raytp::exp8(_mm256_sub_ps(s0, mv)), keep0);  // masked lanes: exactly 0
       s1 = _mm256_and_ps(raytp::exp8(_mm256_sub_ps(s1, mv)), keep1);
       _mm256_storeu_ps(sn, s0);
       _mm256_storeu_ps(sn + 8, s1);
-      l[n] = l[n] * corr + hsum8(_mm256_add_ps(s0, s1));
+      l[n] = l[n] * corr[n] + hsum8(_mm256_add_ps(s0, s1));
       m[n] = m_new;
-      float* on = o + n * D;
-      const __m256 cv = _mm256_set1_ps(corr);
+    }
+
+    // o_n = o_n * corr_n + p_n V, two query vectors at a time so each V load feeds two FMAs. A pair
+    // runs over the longer of its two visible ranges: the other's extra weights are exactly 0.
+    for (n = n0; n < nq; n += 2) {
+      const bool pair = n + 1 < nq;
+      const auto visible = static_cast<int64_t>(pair ? std::max(vis[n], vis[n + 1]) : vis[n]);
+      const float* pa = s + n * kKeyTile;
+      const float* pb = pair ? pa + kKeyTile : pa;
+      float* oa = o + n * D;
+      float* ob = pair ? oa + D : oa;
+      const __m256 ca = _mm256_set1_ps(corr[n]);
+      const __m256 cb = _mm256_set1_ps(pair ? corr[n + 1] : corr[n]);
       int64_t d0 = 0;
-      for (; d0 + 32 <= D; d0 += 32) {  // 32 floats of o in 4 registers, unrolled (a runtime width spills)
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(on + d0), cv);
-        __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(on + d0 + 8), cv);
-        __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(on + d0 + 16), cv);
-        __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(on + d0 + 24), cv);
+      for (; d0 + 32 <= D; d0 += 32) {  // 32 floats of each o in 4 registers, unrolled (a runtime width spills)
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(oa + d0), ca);
+        __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(oa + d0 + 8), ca);
+        __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(oa + d0 + 16), ca);
+        __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(oa + d0 + 24), ca);
+        __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(ob + d0), cb);
+        __m256 b1 = _mm256_mul_ps(_mm256_loadu_ps(ob + d0 + 8), cb);
+        __m256 b2 = _mm256_mul_ps(_mm256_loadu_ps(ob + d0 + 16), cb);
+        __m256 b3 = _mm256_mul_ps(_mm256_loadu_ps(ob + d0 + 24), cb);
         for (int64_t j = 0; j < visible; ++j) {
-          const __m256 p = _mm256_broadcast_ss(sn + j);
           const float* vj = vrow[j] + d0;
-          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);
-          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
-          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);
-          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
+          const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8), v2 = _mm256_loadu_ps(vj + 16),
+                       v3 = _mm256_loadu_ps(vj + 24);
+          const __m256 p = _mm256_broadcast_ss(pa + j);
+          a0 = _mm256_fmadd_ps(p, v0, a0);
+          a1 = _mm256_fmadd_ps(p, v1, a1);
+          a2 = _mm256_fmadd_ps(p, v2, a2);
+          a3 = _mm256_fmadd_ps(p, v3, a3);
+          const __m256 q = _mm256_broadcast_ss(pb + j);
+          b0 = _mm256_fmadd_ps(q, v0, b0);
+          b1 = _mm256_fmadd_ps(q, v1, b1);
+          b2 = _mm256_fmadd_ps(q, v2, b2);
+          b3 = _mm256_fmadd_ps(q, v3, b3);
         }
-        _mm256_storeu_ps(on + d0, a0);
-        _mm256_storeu_ps(on + d0 + 8, a1);
-        _mm256_storeu_ps(on + d0 + 16, a2);
-        _mm256_storeu_ps(on + d0 + 24, a3);
+        _mm256_storeu_ps(oa + d0, a0);
+        _mm256_storeu_ps(oa + d0 + 8, a1);
+        _mm256_storeu_ps(oa + d0 + 16, a2);
+        _mm256_storeu_ps(oa + d0 + 24, a3);
+        if (pair) {  // unpaired: b* computed the same vector again; store it once
+          _mm256_storeu_ps(ob + d0, b0);
+          _mm256_storeu_ps(ob + d0 + 8, b1);
+          _mm256_storeu_ps(ob + d0 + 16, b2);
+          _mm256_storeu_ps(ob + d0 + 24, b3);
+        }
       }
       for (; d0 < D; d0 += 8) {  // head_dim not a multiple of 32: the rest 8 floats at a time
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(on + d0), cv);
-        for (int64_t j = 0; j < visible; ++j) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sn + j), _mm256_loadu_ps(vrow[j] + d0), a0);
-        _mm256_storeu_ps(on + d0, a0);
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(oa + d0), ca);
+        __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(ob + d0), cb);
+        for (int64_t j = 0; j < visible; ++j) {
+          const __m256 v0 = _mm256_loadu_ps(vrow[j] + d0);
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pa + j), v0, a0);
+          b0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + j), v0, b0);
+        }
+        _mm256_storeu_ps(oa + d0, a0);
+        if (pair) _mm256_storeu_ps(ob + d0, b0);
       }
     }
   }
