@@ -6,7 +6,7 @@ also times the alternative that torch_backend rejected for prefill rows (all row
 batched SDPA call with a causal+length mask), to show why it was rejected.
 
     python -m benchmarks.attention_bench                      # from the repo root: torch on CPU, fp32
-    python -m benchmarks.attention_bench --backend cpu        # the C++ decode kernel on CPU
+    python -m benchmarks.attention_bench --backend cpu        # the C++ decode and prefill kernels on CPU
     python -m benchmarks.attention_bench --device cuda --dtype float16 --backend auto --block-size 256
 """
 
@@ -116,6 +116,7 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "decode  96 rows x ctx 16..1088 (ragged)": [(16 + (1072 * i) // 95, 1) for i in range(96)],
     "mixed   32 decodes@512 + chunks 256@256, 256@768": [(511, 1)] * 32 + [(256, 256), (768, 256)],
     "prefill 1 x 512": [(0, 512)],
+    "prefill 1 x 2048": [(0, 2048)],
     "prefill 4 rows 50/200/400/512": [(0, 50), (0, 200), (0, 400), (0, 512)],
     "prefill 8 rows x 64": [(0, 64)] * 8,
     "prefill chunk 512 + 3 short chunks": [(0, 512), (0, 16), (100, 16), (300, 16)],
