@@ -94,9 +94,9 @@ class LLMServer:
     Decision: the engine loop lives here, not in an actor of its own. Each streamed token then costs
     one Ray message (this replica -> ingress) instead of two, and the process it crossed is gone:
     on a 2-core machine, 1.1 ms less CPU per output token and ~170 MB less peak RSS (README, "Serving hops").
-    The step loop shares Serve's user-code event loop with the request streams, as it shared the
-    actor's loop with them before; Serve's own loop (health probes, routing) runs on another thread,
-    and the forward pass waits in the loop's step thread, never on the event loop. A dead engine
+    The step loop shares the replica's event loop with the request streams (and, in Serve's
+    high-throughput mode, with Serve's own request handling); only schedule/update run there, a few
+    ms per step, while the forward pass waits in the loop's step thread. A dead engine
     (a worker died, a step failed) is still observed by `check_health`, and Serve replaces the replica.
     """
 

@@ -16,8 +16,8 @@ early (the caller cancelled) aborts the request and frees its blocks.
 
 Threading invariant: every scheduler/block-manager change (add, abort, schedule, update, fail)
 happens on the one event loop thread that calls this object; only `engine.execute` (the workers'
-forward pass) runs in the one step thread. So adds and aborts land between or during steps without locks, and the
-scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
+forward pass) runs in the one step thread. So adds and aborts land between or during steps without
+locks, and the scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
 while requests are in flight; the first new request restarts it.
 
 Metrics: the controller records what it owns (queues, KV usage, prefix cache, preemptions) and what

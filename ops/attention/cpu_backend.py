@@ -5,8 +5,9 @@ row's keys and values in place from the paged cache: no gather into a buffer pad
 longest row, no mask, one pass over exactly the row's own context. Prefill rows go to
 `cpu_kernels.paged_prefill_attention` (flash-style, causal, GQA groups sharing K/V reads, cached
 context read in place) when the kernels are the AVX2 build and head_dim is a multiple of 8; else
-they stay on the torch backend's path (one SDPA call per row). Same benchmark, block size 128,
-2026-11-25 on a Zen 5: one 512-token prompt 3.49 -> 2.19 ms per layer, prompts of 50/200/400/512
+they stay on the torch backend's path (one SDPA call per row). Prefill, `python -m
+benchmarks.attention_bench --backend torch|cpu --block-size 128`, 2026-11-25 on a Zen 5: one
+512-token prompt 3.49 -> 2.19 ms per layer, prompts of 50/200/400/512
 6.49 -> 4.02 ms, 8 x 64 tokens 0.74 -> 0.38 ms, one 2048-token prompt 34.8 -> 33.9 ms (the kernel
 runs at ~140 GFLOP/s at any length, about the AVX2 FMA peak of two cores; torch's SDPA catches up
 only on long prompts).
