@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -40,6 +41,9 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "fused_layers.cpp",  # ops/fused.py's norm, rotary and SiLU kernels
     Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
 ]
+# Headers the sources include: torch's rebuild check hashes the sources and flags only, so their
+# contents' hash goes into the flags (`_header_flag`); an edited header then rebuilds too.
+_HEADERS = [Path(__file__).parents[1] / "csrc" / "vec_math.h"]
 # Every op the sources register: the library counts as loaded only when all of them are there.
 _OPS = (
     "paged_decode_attention",
@@ -62,6 +66,11 @@ def _isa_flags() -> tuple[str, list[str]]:
     if capability in ("AVX2", "AVX512"):
         return "avx2", ["-mavx2", "-mfma"]
     return "generic", []
+
+
+def _header_flag() -> str:
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+    return f"-DRAYTP_HEADERS_SHA={digest}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -105,7 +114,7 @@ def load_error() -> str | None:
                 sources=[str(s) for s in _SOURCES],
                 # -fopenmp: at::parallel_for is OpenMP code inlined from torch's headers (without the flag
                 # it runs serially); the library links the libgomp.so.1 that torch has already loaded.
-                extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_cflags=["-O3", "-fopenmp", *flags, _header_flag()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 is_python_module=False,

@@ -30,6 +30,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -151,7 +153,6 @@ void block_avx2(const float* x, int64_t ldx, int64_t rows, const float* wp, int6
 // registers hold a 12-row x 2-panel tile. Measured on this project's 2-core Zen 4 VMs against
 // oneDNN, SmolLM2-135M's 121 matrices: 1-2 rows ~1.6x faster, 16 rows even, 64 rows ~1.08x faster,
 // 256-512 rows 3-5% slower; the AVX2 tiles above lose 5-20% to oneDNN from 16 rows up.
-#define RAYTP_AVX512 __attribute__((target("avx512f")))
 template <int MB, int NP>
 RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t k_len, Out out) {
   const int64_t panel_stride = k_len * kPanel;
@@ -229,11 +230,7 @@ RAYTP_AVX512 void block_avx512(const float* x, int64_t ldx, int64_t rows, const 
   }
 }
 
-// AVX-512F on this CPU, unless RAYTP_CPU_NO_AVX512 is set (the tests use it to compare both paths).
-bool use_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("RAYTP_CPU_NO_AVX512") == nullptr;
-  return yes;
-}
+using raytp::use_avx512;
 #else
 // The same chains in plain C++ (one accumulator per element, k in order): builds without AVX2.
 void block_scalar(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len, int64_t g_begin,

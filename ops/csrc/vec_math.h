@@ -1,11 +1,22 @@
-// Vector math shared by the C++ CPU kernels (ops/csrc/*.cpp, ops/attention/csrc/*.cpp). AVX2 + FMA
-// only: include it where __AVX2__ and __FMA__ are defined (the loader passes -mavx2 -mfma when the
-// machine has them).
+// Vector math shared by the C++ CPU kernels (ops/csrc/*.cpp, ops/attention/csrc/*.cpp). Include it
+// where __AVX2__ and __FMA__ are defined (the loader passes -mavx2 -mfma when the machine has them).
+// The AVX-512 functions carry their own target attribute: the files are built for AVX2, and a kernel
+// calls its RAYTP_AVX512 variant only when `use_avx512()` says the CPU runs it.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cstdlib>
+
+#define RAYTP_AVX512 __attribute__((target("avx512f")))
+
 namespace raytp {
+
+// AVX-512F on this CPU, unless RAYTP_CPU_NO_AVX512 is set (the tests use it to compare both paths).
+inline bool use_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("RAYTP_CPU_NO_AVX512") == nullptr;
+  return yes;
+}
 
 // e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, scale
 // by 2^n), about 1 ulp over the clamped range; below -87.3 the result is flushed towards 0
@@ -24,6 +35,24 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// exp8's polynomial on 16 lanes (same constants, same clamping).
+RAYTP_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
 }  // namespace raytp

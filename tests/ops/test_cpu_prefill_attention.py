@@ -11,6 +11,10 @@ softmax across tiles and the causal edge inside a tile.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +146,23 @@ def test_prefill_kernel_refuses_bad_inputs() -> None:
     too_long = torch.tensor([tables.shape[1] * 16 + 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="out of range"):
         call(query, key_cache, value_cache, tables, q_loc, too_long, 0, 1.0, out)
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512" or "RAYTP_CPU_NO_AVX512" in os.environ,
+    reason="this CPU has no AVX-512, so the tests above already ran the AVX2 path",
+)
+def test_the_avx2_path_matches_too() -> None:
+    """The kernel picks its AVX-512 job at run time; the cases above ran that one, this runs them on the
+    AVX2 job (RAYTP_CPU_NO_AVX512, read once per process, hence a subprocess)."""
+    here = Path(__file__)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k", "not avx2_path"],
+        env={**os.environ, "RAYTP_CPU_NO_AVX512": "1"},
+        cwd=here.parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
