@@ -10,9 +10,9 @@ benchmarks.attention_bench --backend torch|cpu --block-size 128`, 2026-11-25 on 
 512-token prompt 3.49 -> 2.19 ms per layer, prompts of 50/200/400/512
 6.49 -> 4.02 ms, 8 x 64 tokens 0.74 -> 0.38 ms, one 2048-token prompt 34.8 -> 33.9 ms with the
 kernel's AVX2 job (~145 GFLOP/s at any length; torch's SDPA catches up only on long prompts). Its
-AVX-512 job, picked at run time where the CPU has AVX-512F, against the AVX2 job in one run
-(RAYTP_CPU_NO_AVX512=1 for the latter): 512 tokens 2.07 -> 1.40 ms, 50/200/400/512 3.74 -> 2.49 ms,
-2048 tokens 32.1 -> 21.2 ms (~220 GFLOP/s).
+AVX-512 job (head_dim 64 or 128, picked at run time where the CPU has AVX-512F), against the AVX2 job
+in one run (RAYTP_CPU_NO_AVX512=1 for the latter): 512 tokens 2.07 -> 0.97 ms, 50/200/400/512
+3.74 -> 1.79 ms, 2048 tokens 32.1 -> 13.8 ms (~350 GFLOP/s).
 
 Measured on 2 shared cores, one layer of SmolLM2 shapes (9/3 heads, head_dim 64, fp32, block size
 16), `python -m benchmarks.attention_bench --backend torch|cpu`, best of 5 rounds on a busy machine:

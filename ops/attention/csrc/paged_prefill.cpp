@@ -18,8 +18,9 @@
 // prompt at ~87 GFLOP/s on 2 Zen 5 cores (27% of that prefill's time), and its GQA path cannot share
 // K/V reads across a group. Needs the AVX2 + FMA build (the loader passes -mavx2 -mfma when the
 // machine has them) and head_dim a multiple of 8; otherwise ops/attention/cpu_backend.py keeps the
-// torch path. Where the CPU has AVX-512F, each work item runs the AVX-512 job instead (run time check,
-// raytp::use_avx512): ~1.5x faster (benchmarks/attention_bench.py figures in cpu_backend.py).
+// torch path. Where the CPU has AVX-512F and head_dim is 64 or 128, each work item runs the AVX-512
+// job instead (run-time check, raytp::use_avx512): ~2.2x faster (benchmarks/attention_bench.py
+// figures in cpu_backend.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -263,191 +264,127 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
   }
 }
 
-// ---- AVX-512F (checked at run time; see raytp::use_avx512): the same work item, one key tile per
-// 512-bit vector. Per key dimension a score step is one K load and one broadcast FMA per query
-// vector, 8 query vectors at a time; P V runs 4 query vectors at a time (16 accumulators of 16
-// floats), so each V load feeds four FMAs. Causal masks are lane masks (exact zeros, as above).
-
-// o_i = o_i * corr_i + p_i V over dims [d0, d0 + 64) of 4 query vectors; only the first `stores` of
-// them are written back (the rest repeat the last one). Spelled out: as arrays, GCC keeps the 16
-// accumulators on the stack.
-RAYTP_AVX512 inline void pv4x64(const float* const* p, float* const* o, const float* corr, int stores,
-                                const float* const* vrow, int64_t visible, int64_t d0) {
-#define RAYTP_LOAD4(i)                                                     \
-  const __m512 c##i = _mm512_set1_ps(corr[i]);                             \
-  __m512 a##i##0 = _mm512_mul_ps(_mm512_loadu_ps(o[i] + d0), c##i);        \
-  __m512 a##i##1 = _mm512_mul_ps(_mm512_loadu_ps(o[i] + d0 + 16), c##i);   \
-  __m512 a##i##2 = _mm512_mul_ps(_mm512_loadu_ps(o[i] + d0 + 32), c##i);   \
-  __m512 a##i##3 = _mm512_mul_ps(_mm512_loadu_ps(o[i] + d0 + 48), c##i);
-  RAYTP_LOAD4(0) RAYTP_LOAD4(1) RAYTP_LOAD4(2) RAYTP_LOAD4(3)
-#undef RAYTP_LOAD4
-  const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
-  for (int64_t j = 0; j < visible; ++j) {
-    const float* vj = vrow[j] + d0;
-    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
-                 v3 = _mm512_loadu_ps(vj + 48);
-#define RAYTP_FMA4(i)                                 \
-  {                                                   \
-    const __m512 w = _mm512_set1_ps(p##i[j]);         \
-    a##i##0 = _mm512_fmadd_ps(w, v0, a##i##0);        \
-    a##i##1 = _mm512_fmadd_ps(w, v1, a##i##1);        \
-    a##i##2 = _mm512_fmadd_ps(w, v2, a##i##2);        \
-    a##i##3 = _mm512_fmadd_ps(w, v3, a##i##3);        \
-  }
-    RAYTP_FMA4(0) RAYTP_FMA4(1) RAYTP_FMA4(2) RAYTP_FMA4(3)
-#undef RAYTP_FMA4
-  }
-#define RAYTP_STORE4(i)                             \
-  if (stores > i) {                                 \
-    _mm512_storeu_ps(o[i] + d0, a##i##0);           \
-    _mm512_storeu_ps(o[i] + d0 + 16, a##i##1);      \
-    _mm512_storeu_ps(o[i] + d0 + 32, a##i##2);      \
-    _mm512_storeu_ps(o[i] + d0 + 48, a##i##3);      \
-  }
-  RAYTP_STORE4(0) RAYTP_STORE4(1) RAYTP_STORE4(2) RAYTP_STORE4(3)
-#undef RAYTP_STORE4
-}
-
-// The same over 16 dims (8 with `mask` 0x00FF), for head_dims that are not a multiple of 64.
-RAYTP_AVX512 inline void pv4x16(const float* const* p, float* const* o, const float* corr, int stores,
-                                const float* const* vrow, int64_t visible, int64_t d0, __mmask16 mask) {
-  __m512 a0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o[0] + d0), _mm512_set1_ps(corr[0]));
-  __m512 a1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o[1] + d0), _mm512_set1_ps(corr[1]));
-  __m512 a2 = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o[2] + d0), _mm512_set1_ps(corr[2]));
-  __m512 a3 = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o[3] + d0), _mm512_set1_ps(corr[3]));
-  for (int64_t j = 0; j < visible; ++j) {
-    const __m512 v = _mm512_maskz_loadu_ps(mask, vrow[j] + d0);
-    a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[0][j]), v, a0);
-    a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[1][j]), v, a1);
-    a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[2][j]), v, a2);
-    a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[3][j]), v, a3);
-  }
-  _mm512_mask_storeu_ps(o[0] + d0, mask, a0);
-  if (stores > 1) _mm512_mask_storeu_ps(o[1] + d0, mask, a1);
-  if (stores > 2) _mm512_mask_storeu_ps(o[2] + d0, mask, a2);
-  if (stores > 3) _mm512_mask_storeu_ps(o[3] + d0, mask, a3);
-}
-
+// ---- AVX-512F (checked at run time; see raytp::use_avx512), head_dim 64 or 128: the same work item
+// with the 16 query positions of one head across the lanes of a vector. Scores are one vector per
+// key (s_j[t] = q_t . k_j: a q column load and a broadcast-FMA per dimension), so the causal mask is
+// a lane mask per key and the online softmax is all vertical (no horizontal max or sum); P V keeps 16
+// dimensions of o per vector, fed by broadcasts of V. The tile's 16 K and V rows are first copied side
+// by side (compile-time offsets from one pointer; head_dim is a template parameter for that).
+template <int D>
 RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float* key_cache, const float* value_cache,
                                  const int32_t* block_table, int64_t q_start, int64_t q_len, int64_t seq_len,
                                  int64_t q_row_stride, int64_t q_head_stride, int64_t o_row_stride,
-                                 int64_t o_head_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t o_head_stride, int64_t num_heads, int64_t num_kv_heads, int64_t,
                                  int64_t block_size, float scale, float* out, std::vector<float>& scratch) {
+  constexpr int64_t T = 16;  // lanes: query positions (kQueryTile), and keys per tile (kKeyTile)
+  static_assert(kQueryTile == T && kKeyTile == T, "one vector of positions, one of keys");
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t D = head_dim;
   const int64_t nt = job.t1 - job.t0;
-  const int64_t nq = nt * group;
   const int64_t ctx = seq_len - q_len;
   const int64_t token_stride = num_kv_heads * D;
-  scratch.resize(static_cast<size_t>(2 * nq * D + D * kKeyTile + nq * kKeyTile + 4 * nq));
-  float* q = scratch.data();
-  float* o = q + nq * D;
-  float* kt = o + nq * D;
-  float* s = kt + D * kKeyTile;
-  float* m = s + nq * kKeyTile;
-  float* l = m + nq;
-  float* corr = l + nq;
-  float* vis = corr + nq;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  for (int64_t t = 0; t < nt; ++t) {
-    for (int64_t h = 0; h < group; ++h) {
-      const float* src = query + (q_start + job.t0 + t) * q_row_stride + (job.kv_head * group + h) * q_head_stride;
-      float* dst = q + (t * group + h) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+  // qT, oT [group][D][T]; kb, vb [T][D]; p [T keys][T]; m, l [group][T].
+  scratch.resize(static_cast<size_t>(2 * group * D * T + 2 * T * D + T * T + 2 * group * T) + 16);
+  float* qT = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* oT = qT + group * D * T;
+  float* kb = oT + group * D * T;
+  float* vb = kb + T * D;
+  float* p = vb + T * D;
+  float* m = p + T * T;
+  float* l = m + group * T;
+  // Lanes past the item's last position repeat it (computed, never stored), so every lane sees key 0.
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = query + (q_start + job.t0 + std::min(t, nt - 1)) * q_row_stride +
+                         (job.kv_head * group + h) * q_head_stride;
+      for (int64_t d = 0; d < D; ++d) qT[(h * D + d) * T + t] = src[d] * scale;
     }
   }
-  std::fill(o, o + nq * D, 0.f);
-  std::fill(m, m + nq, neg_inf);
-  std::fill(l, l + nq, 0.f);
+  std::fill(oT, oT + group * D * T, 0.f);
+  std::fill(m, m + group * T, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + group * T, 0.f);
+  const __m512i pos = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int32_t>(ctx + job.t0)),
+      _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                       _mm512_set1_epi32(static_cast<int32_t>(nt - 1))));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   const int64_t key_end = ctx + job.t1;
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
-    const int64_t nk = std::min(kKeyTile, key_end - k0);
-    const float* vrow[kKeyTile];
-    for (int64_t j = 0; j < kKeyTile; ++j) {
-      if (j < nk) {
-        const int64_t pos = k0 + j;
-        const int64_t slot = static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size;
-        const float* krow = key_cache + slot * token_stride + job.kv_head * D;
-        vrow[j] = value_cache + slot * token_stride + job.kv_head * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile + j] = krow[d];
-      } else {
-        vrow[j] = nullptr;
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile + j] = 0.f;
-      }
-    }
-    const int64_t first_t = std::max<int64_t>(0, k0 - ctx - job.t0);
-    if (first_t >= nt) continue;
-    const int64_t n0 = first_t * group;
-
-    // Scores s[n][0..16) = q_n . k_j, 8 query vectors at a time.
-    int64_t n = n0;
-    for (; n + 8 <= nq; n += 8) {
-      __m512 a[8];
+  for (int64_t k0 = 0; k0 < key_end; k0 += T) {
+    const int64_t nk = std::min(T, key_end - k0);
+    __mmask16 vis[T];  // lanes whose position is at or after key k0 + j; none for the padding keys
+    for (int64_t j = 0; j < T; ++j) {
+      const int64_t pos_j = k0 + std::min(j, nk - 1);  // padding keys repeat the last one (masked off)
+      const int64_t slot = static_cast<int64_t>(block_table[pos_j / block_size]) * block_size + pos_j % block_size;
+      const float* ks = key_cache + slot * token_stride + job.kv_head * D;
+      const float* vs = value_cache + slot * token_stride + job.kv_head * D;
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
-      const float* qn = q + n * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_loadu_ps(kt + d * kKeyTile);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qn[i * D + d]), kv, a[i]);
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_store_ps(kb + j * D + d, _mm512_loadu_ps(ks + d));
+        _mm512_store_ps(vb + j * D + d, _mm512_loadu_ps(vs + d));
       }
+      vis[j] = j < nk ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(k0 + j))) : 0;
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = qT + h * D * T;
+      __m512 s[T];
+      // Two halves of 8 keys: 8 accumulators, 8 broadcast sources from one pointer.
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m512 a[8];
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s + (n + i) * kKeyTile, a[i]);
-    }
-    for (; n < nq; ++n) {
-      __m512 a = _mm512_setzero_ps();
-      const float* qn = q + n * D;
-      for (int64_t d = 0; d < D; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(qn[d]), _mm512_loadu_ps(kt + d * kKeyTile), a);
-      _mm512_storeu_ps(s + n * kKeyTile, a);
-    }
-
-    // Causal mask and online softmax, as in the AVX2 job.
-    for (n = n0; n < nq; ++n) {
-      const int64_t visible = std::min<int64_t>(nk, ctx + job.t0 + n / group - k0 + 1);
-      vis[n] = static_cast<float>(visible);
-      float* sn = s + n * kKeyTile;
-      const auto keep = static_cast<__mmask16>((1u << visible) - 1u);  // visible is 1..16
-      const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), keep, sn);
-      const float m_new = std::max(m[n], _mm512_reduce_max_ps(sv));
-      corr[n] = m[n] == neg_inf ? 0.f : std::exp(m[n] - m_new);
-      const __m512 e = _mm512_maskz_mov_ps(keep, raytp::exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-      _mm512_storeu_ps(sn, e);
-      l[n] = l[n] * corr[n] + _mm512_reduce_add_ps(e);
-      m[n] = m_new;
-    }
-
-    // o_n = o_n * corr_n + p_n V, 4 query vectors at a time over the longest of their visible ranges
-    // (the others' extra weights are exactly 0).
-    for (n = n0; n < nq; n += 4) {
-      const int stores = static_cast<int>(std::min<int64_t>(4, nq - n));
-      const float* pr[4];
-      float* orow[4];
-      float cr[4];
-      float visible = 0.f;
-      for (int i = 0; i < 4; ++i) {
-        const int64_t k = n + std::min(i, stores - 1);
-        pr[i] = s + k * kKeyTile;
-        orow[i] = o + k * D;
-        cr[i] = corr[k];
-        visible = std::max(visible, vis[k]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+        const float* kh = kb + half * 8 * D;
+#pragma GCC unroll 4
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 qv = _mm512_load_ps(qh + d * T);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kh[j * D + d]), a[j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) s[half * 8 + j] = a[j];
       }
-      const auto nv = static_cast<int64_t>(visible);
-      int64_t d0 = 0;
-      for (; d0 + 64 <= D; d0 += 64) pv4x64(pr, orow, cr, stores, vrow, nv, d0);
-      for (; d0 + 16 <= D; d0 += 16) pv4x16(pr, orow, cr, stores, vrow, nv, d0, 0xFFFF);
-      if (d0 < D) pv4x16(pr, orow, cr, stores, vrow, nv, d0, 0x00FF);  // head_dim % 16 == 8
+      // Online softmax, vertical: masked keys are -inf for the max and exactly 0 as weights.
+      __m512 mt = neg_inf;
+#pragma GCC unroll 16
+      for (int j = 0; j < T; ++j) mt = _mm512_max_ps(mt, _mm512_mask_mov_ps(neg_inf, vis[j], s[j]));
+      const __m512 m_old = _mm512_load_ps(m + h * T);
+      const __m512 m_new = _mm512_max_ps(m_old, mt);  // finite: every lane sees key 0 in the first tile
+      const __m512 corr = raytp::exp16(_mm512_sub_ps(m_old, m_new));  // first tile: ~1e-38 times o = 0
+      __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int j = 0; j < T; ++j) {
+        const __m512 e = _mm512_maskz_mov_ps(vis[j], raytp::exp16(_mm512_sub_ps(s[j], m_new)));
+        _mm512_store_ps(p + j * T, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_store_ps(m + h * T, m_new);
+      _mm512_store_ps(l + h * T, _mm512_fmadd_ps(_mm512_load_ps(l + h * T), corr, sum));
+      // o[d] = o[d] * corr + sum_j p_j v_j[d], 16 dimensions at a time.
+      float* oh = oT + h * D * T;
+#pragma GCC unroll 1
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 a[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_mul_ps(_mm512_load_ps(oh + (c + i) * T), corr);
+        for (int64_t j = 0; j < nk; ++j) {
+          const __m512 pj = _mm512_load_ps(p + j * T);
+          const float* vj = vb + j * D + c;
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vj[i]), a[i]);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(oh + (c + i) * T, a[i]);
+      }
     }
   }
 
-  for (int64_t t = 0; t < nt; ++t) {
-    for (int64_t h = 0; h < group; ++h) {
-      const int64_t nidx = t * group + h;
-      const float inv = 1.f / l[nidx];
+  alignas(64) float inv[T];
+  for (int64_t h = 0; h < group; ++h) {
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(l + h * T)));
+    const float* oh = oT + h * D * T;
+    for (int64_t t = 0; t < nt; ++t) {
       float* dst = out + (q_start + job.t0 + t) * o_row_stride + (job.kv_head * group + h) * o_head_stride;
-      const float* on = o + nidx * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = on[d] * inv;
+      for (int64_t d = 0; d < D; ++d) dst[d] = oh[d * T + t] * inv[t];
     }
   }
 }
@@ -504,7 +441,10 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   std::atomic<int64_t> next{0};
   const int64_t num_jobs = static_cast<int64_t>(jobs.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_jobs);
-  const auto run = raytp::use_avx512() ? run_job_avx512 : run_job;
+  const auto run = !raytp::use_avx512() ? run_job
+                   : head_dim == 64      ? run_job_avx512<64>
+                   : head_dim == 128     ? run_job_avx512<128>
+                                         : run_job;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (int64_t i = next++; i < num_jobs; i = next++) {
