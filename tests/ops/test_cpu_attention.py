@@ -15,6 +15,7 @@ import torch
 
 from ops.attention.base import AttentionMetadata
 from ops.attention.torch_backend import TorchAttentionBackend
+from tests.helpers.isa import needs_avx512, rerun_on_avx2
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +175,11 @@ def test_a_lock_left_by_a_killed_loader_does_not_hang_the_next(kernels: ModuleTy
     finally:
         stale.unlink(missing_ok=True)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+
+
+@needs_avx512
+def test_the_avx2_path_matches_too(kernels: ModuleType) -> None:
+    """The cases above ran the decode kernel's AVX-512 loops (head_dims that are multiples of 16); this
+    runs them on its AVX2 loops."""
+    rerun_on_avx2(__file__, "test_the_avx2_path_matches_too")
+

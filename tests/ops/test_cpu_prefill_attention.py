@@ -11,16 +11,13 @@ softmax across tiles and the causal edge inside a tile.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from ops.attention.base import AttentionMetadata
 from ops.attention.torch_backend import TorchAttentionBackend
+from tests.helpers.isa import needs_avx512, rerun_on_avx2
 
 
 def _kernel_error() -> str | None:
@@ -148,21 +145,8 @@ def test_prefill_kernel_refuses_bad_inputs() -> None:
         call(query, key_cache, value_cache, tables, q_loc, too_long, 0, 1.0, out)
 
 
-@pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512" or "RAYTP_CPU_NO_AVX512" in os.environ,
-    reason="this CPU has no AVX-512, so the tests above already ran the AVX2 path",
-)
-def test_the_avx2_path_matches_too() -> None:
-    """The kernel picks its AVX-512 job at run time; the cases above ran that one, this runs them on the
-    AVX2 job (RAYTP_CPU_NO_AVX512, read once per process, hence a subprocess)."""
-    here = Path(__file__)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k", "not avx2_path"],
-        env={**os.environ, "RAYTP_CPU_NO_AVX512": "1"},
-        cwd=here.parents[2],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
+@needs_avx512
+def test_the_avx2_path_matches_too() -> None:
+    """The cases above ran the kernel's AVX-512 job; this runs them on its AVX2 job."""
+    rerun_on_avx2(__file__, "test_the_avx2_path_matches_too")
