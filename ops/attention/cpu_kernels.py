@@ -16,8 +16,11 @@ found then is stale and is removed.
 
 The build is compiled for this machine's vector ISA (AVX2 + FMA when torch reports AVX2 or
 better; the capability is part of the extension's name, so machines sharing a cache never load a
-library built for another ISA). When no compiler or ninja is usable, `load()` says why, the
-`auto` attention backend stays on the pure-torch one and the model layers keep their torch code.
+library built for another ISA). AVX-512 code is not a separate build: the kernels carry it in functions
+of their own and pick it at run time where the CPU has AVX-512F (`raytp::use_avx512` in
+`ops/csrc/vec_math.h`; `RAYTP_CPU_NO_AVX512=1` turns it off). When no compiler or ninja is usable,
+`load()` says why, the `auto` attention backend stays on the pure-torch one and the model layers keep
+their torch code.
 """
 
 from __future__ import annotations
