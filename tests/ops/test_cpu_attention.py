@@ -182,4 +182,3 @@ def test_the_avx2_path_matches_too(kernels: ModuleType) -> None:
     """The cases above ran the decode kernel's AVX-512 loops (head_dims that are multiples of 16); this
     runs them on its AVX2 loops."""
     rerun_on_avx2(__file__, "test_the_avx2_path_matches_too")
-

@@ -145,7 +145,6 @@ def test_prefill_kernel_refuses_bad_inputs() -> None:
         call(query, key_cache, value_cache, tables, q_loc, too_long, 0, 1.0, out)
 
 
-
 @needs_avx512
 def test_the_avx2_path_matches_too() -> None:
     """The cases above ran the kernel's AVX-512 job; this runs them on its AVX2 job."""

@@ -229,6 +229,8 @@ RAYTP_AVX512 inline void dots512(const float* q, const float* k, int64_t head_di
   for (int j = 0; j < NJ; ++j) out[j * ld] = _mm512_reduce_add_ps(a[j]);
 }
 
+// block_scores_avx2's loop around dots512. A separate function, not a template shared with it: the
+// target attribute (needed for dots512 to inline) cannot depend on a template parameter.
 RAYTP_AVX512 void block_scores_avx512(const Item& it, const float* kb, const float* next, int64_t n, float* scores,
                                       int64_t ld) {
   for (int64_t i = 0; i < n; ++i) {
