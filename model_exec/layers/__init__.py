@@ -4,6 +4,7 @@ from model_exec.layers.activation import SiluAndMul
 from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_exec.layers.linear import (
     ColumnParallelLinear,
+    GateUpParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
@@ -14,6 +15,7 @@ from model_exec.layers.rotary import RotaryEmbedding, compute_inv_freq
 
 __all__ = [
     "ColumnParallelLinear",
+    "GateUpParallelLinear",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

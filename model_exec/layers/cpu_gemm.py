@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_exec import huge_pages
 from ops.attention import cpu_kernels
 
 PANEL = 16  # output features per panel (ops/csrc/panel_gemm.cpp's kPanel)
@@ -76,11 +77,13 @@ def can_use_panels(weight: torch.Tensor) -> bool:
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """`[out, in]` -> `[ceil(out / 16), in, 16]`: 16 output features side by side per input feature,
-    the last panel zero-padded (a copy)."""
+    the last panel zero-padded (a copy, on huge pages where Linux has them)."""
     out_features, in_features = weight.shape
     groups = -(-out_features // PANEL)
     padded = F.pad(weight.detach(), (0, 0, 0, groups * PANEL - out_features))
-    return padded.view(groups, PANEL, in_features).transpose(1, 2).contiguous()
+    panels = padded.view(groups, PANEL, in_features).transpose(1, 2).contiguous()
+    huge_pages.advise(panels, collapse=True)  # every decode step streams all of them
+    return panels
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -90,6 +93,15 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     if bias is not None:
         y.add_(bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+
+def panel_linear_silu_mul(x: torch.Tensor, panels: torch.Tensor, half: int) -> torch.Tensor:
+    """silu(gate) * up for x [..., in] and W = [W_gate; W_up] packed by `pack_panels` (each `half` rows,
+    a multiple of 16): one kernel, the [..., 2 * half] product never written; the bits of `panel_linear`
+    followed by `ops.fused.silu_and_mul`."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    y = torch.ops.raytp_cpu.panel_linear_silu_mul(rows if rows.stride(-1) == 1 else rows.contiguous(), panels, half)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], half)
 
 
 def pack(weight: torch.Tensor, panels: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from model_exec.layers import cpu_gemm
+from model_exec.layers.activation import SiluAndMul
 from model_exec.parallel import TPGroup
 
 
@@ -170,6 +171,27 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
         copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
+
+
+class GateUpParallelLinear(MergedColumnParallelLinear):
+    """The gate and up projections of a gated MLP, fused ([gate; up] per rank), with their activation.
+
+    `silu_and_mul(x)` is silu(x W_gate^T) * (x W_up^T): on the CPU panel path one kernel that never
+    writes the [T, 2 * intermediate] product (`cpu_gemm.panel_linear_silu_mul`, the same bits as the
+    two steps); elsewhere the projection, then `SiluAndMul`.
+    """
+
+    def __init__(
+        self, input_size: int, intermediate_size: int, bias: bool, tp: TPGroup, params_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(input_size, [intermediate_size, intermediate_size], bias, tp, params_dtype)
+        self._act = SiluAndMul()
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        half = self.output_sizes[0]
+        if self.panel_weight is not None and self.bias is None and half % cpu_gemm.PANEL == 0:
+            return cpu_gemm.panel_linear_silu_mul(x, self.panel_weight, half)
+        return self._act(self.forward(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

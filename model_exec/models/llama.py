@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 from model_exec.config import ModelConfig
-from model_exec.layers.activation import SiluAndMul
 from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_exec.layers.linear import (
-    MergedColumnParallelLinear,
+    GateUpParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
@@ -76,12 +75,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp, config.torch_dtype)
+        self.gate_up_proj = GateUpParallelLinear(hidden, inter, bias, tp, config.torch_dtype)
         self.down_proj = RowParallelLinear(inter, hidden, bias, tp, config.torch_dtype)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

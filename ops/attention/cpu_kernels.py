@@ -56,6 +56,7 @@ _OPS = (
     "rotate_half_rope",
     "silu_and_mul",
     "panel_linear",
+    "panel_linear_silu_mul",
 )
 
 

@@ -202,12 +202,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
       float* dst = op + r * os;
       int64_t i = 0;
 #ifdef RAYTP_FUSED_AVX2
-      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= d; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, raytp::exp8(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-      }
+      for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + i, raytp::silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
       for (; i < d; ++i) dst[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
     }

@@ -153,15 +153,25 @@ void block_avx2(const float* x, int64_t ldx, int64_t rows, const float* wp, int6
 // registers hold a 12-row x 2-panel tile. Measured on this project's 2-core Zen 4 VMs against
 // oneDNN, SmolLM2-135M's 121 matrices: 1-2 rows ~1.6x faster, 16 rows even, 64 rows ~1.08x faster,
 // 256-512 rows 3-5% slower; the AVX2 tiles above lose 5-20% to oneDNN from 16 rows up.
-template <int MB, int NP>
-RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t k_len, Out out) {
-  const int64_t panel_stride = k_len * kPanel;
+//
+// `p_stride`: floats from one of the tile's panels to the next (0: adjacent panels, k_len * 16).
+// Gated (NP = 2, whole panels): panel 0 is a gate panel, panel 1 its up panel, and the tile stores
+// silu(gate) * up, 16 columns per row, instead of both products (panel_linear_silu_mul).
+template <int MB, int NP, bool Gated = false>
+RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t k_len, Out out,
+                                 const float* ahead = nullptr, int64_t p_stride = 0) {
+  static_assert(!Gated || NP == 2, "a gated tile is one gate panel and its up panel");
+  const int64_t panel_stride = p_stride != 0 ? p_stride : k_len * kPanel;
   __m512 acc[MB][NP];
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k) {
+    if (ahead != nullptr) {  // NP panels further on, NP lines per k: all of them by the tile's end
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(ahead + p * panel_stride + k * kPanel), _MM_HINT_T1);
+    }
     __m512 wv[NP];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
@@ -175,6 +185,18 @@ RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, in
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xb, wv[p], acc[m][p]);
     }
+  }
+  if constexpr (Gated) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out.ptr + m * out.ld, raytp::silu_mul16(acc[m][0], acc[m][1]));
+    return;
+  }
+  if (out.n_left >= NP * kPanel) {  // every panel of the tile is whole: straight from the registers
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out.ptr + m * out.ld + p * kPanel, acc[m][p]);
+    return;
   }
   alignas(64) float res[MB][NP][kPanel];
 #pragma GCC unroll 16
@@ -205,9 +227,13 @@ RAYTP_AVX512 void block_avx512(const float* x, int64_t ldx, int64_t rows, const 
   for (int64_t c = g_begin; c < g_end; c += chunk) {
     const int64_t c_end = std::min(c + chunk, g_end);
     int64_t g = c;
-    for (; g + 2 <= c_end; g += 2)
-      for (int64_t m = 0; m < full; m += 12)
-        tile512<12, 2>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel});
+    for (; g + 2 <= c_end; g += 2) {
+      // The first row tile on a pair of panels also fetches the thread's next pair into L2, so the
+      // tiles never wait on memory for W (a decode step's W comes from DRAM, a prefill's from L3).
+      const float* ahead = g + 4 <= g_end ? wp + (g + 2) * k_len * kPanel : nullptr;
+      for (int64_t m = 0; m < full; m += 12, ahead = nullptr)
+        tile512<12, 2>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel}, ahead);
+    }
     for (; g < c_end; ++g)
       for (int64_t m = 0; m < full; m += 12)
         tile512<12, 1>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel});
@@ -225,6 +251,48 @@ RAYTP_AVX512 void block_avx512(const float* x, int64_t ldx, int64_t rows, const 
       case 9: tiles512<9, 2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
       case 10: tiles512<10, 2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
       case 11: tiles512<11, 2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
+      default: break;
+    }
+  }
+}
+
+// panel_linear_silu_mul's tiles: gate panels [g_begin, g_end), each with its up panel `half` panels
+// further on, as block_avx512 runs plain panels (12-row tiles, then the 1-11 remaining rows).
+template <int MB>
+RAYTP_AVX512 void gated_tiles512(const float* x, int64_t ldx, const float* wp, int64_t k_len, int64_t g_begin,
+                                 int64_t g_end, float* op, int64_t ldo, int64_t half, bool fetch_ahead) {
+  const int64_t up = half * k_len * kPanel;
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const float* ahead = fetch_ahead && g + 1 < g_end ? wp + (g + 1) * k_len * kPanel : nullptr;
+    tile512<MB, 2, true>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, kPanel}, ahead, up);
+  }
+}
+
+RAYTP_AVX512 void gated_block_avx512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len,
+                                     int64_t g_begin, int64_t g_end, float* op, int64_t ldo, int64_t half) {
+  const int64_t full = rows / 12 * 12;
+  for (int64_t c = g_begin; c < g_end; c += kChunk) {
+    const int64_t c_end = std::min(c + kChunk, g_end);
+    for (int64_t g = c; g < c_end; ++g) {
+      const float* ahead = g + 1 < g_end ? wp + (g + 1) * k_len * kPanel : nullptr;  // see block_avx512
+      for (int64_t m = 0; m < full; m += 12, ahead = nullptr)
+        tile512<12, 2, true>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, kPanel},
+                             ahead, half * k_len * kPanel);
+    }
+    const float* xt = x + full * ldx;
+    float* ot = op + full * ldo;
+    switch (rows - full) {  // on the chunk's panels while they are in L2
+      case 1: gated_tiles512<1>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 2: gated_tiles512<2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 3: gated_tiles512<3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 4: gated_tiles512<4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 5: gated_tiles512<5>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 6: gated_tiles512<6>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 7: gated_tiles512<7>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 8: gated_tiles512<8>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 9: gated_tiles512<9>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 10: gated_tiles512<10>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+      case 11: gated_tiles512<11>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
       default: break;
     }
   }
@@ -280,8 +348,58 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   return out;
 }
 
+// silu(x Wg^T) * (x Wu^T) for the fused gate/up projection of a gated MLP: panels [2 * d / 16, K, 16]
+// hold Wg's panels, then Wu's (cpu_gemm.pack_panels of the stacked [2d, K] weight), d a multiple of
+// 16. With AVX-512 each tile keeps a gate panel and its up panel side by side and stores only
+// silu(gate) * up: the [M, 2d] product is never written (for a prefill chunk, tens of MB that the
+// separate SiLU-and-mul read back). The same FMA chains and the same silu as panel_linear followed by
+// silu_and_mul, so the same bits; without AVX-512 it is exactly that pair of steps.
+at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(out_features % kPanel == 0 && panels.dim() == 3 && panels.size(0) * kPanel == 2 * out_features,
+              "panels must hold the gate and up halves, out_features (a multiple of 16) each");
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!use_avx512()) {
+    const at::Tensor both = panel_linear(x, panels, 2 * out_features);
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    const float* bp = both.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t d = out_features;
+    at::parallel_for(0, x.size(0), std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < d; i += 8)
+          _mm256_storeu_ps(op + r * d + i, raytp::silu_mul8(_mm256_loadu_ps(bp + r * 2 * d + i), _mm256_loadu_ps(bp + r * 2 * d + d + i)));
+    });
+    return out;
+  }
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
+              "x [M, K] and panels [G, K, 16] in float32 expected");
+  TORCH_CHECK(x.stride(1) == 1 && panels.is_contiguous() && panels.size(1) == x.size(1) && panels.size(2) == kPanel,
+              "x needs a contiguous last dim matching the panels' K, panels must be contiguous");
+  const int64_t rows = x.size(0), k_len = x.size(1), half = out_features / kPanel;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, half, kGrain / 2, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock)
+      gated_block_avx512(xp + m0 * ldx, ldx, std::min(kRowBlock, rows - m0), wp, k_len, begin, end, op + m0 * out_features,
+                         out_features, half);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "panel_linear_silu_mul needs the AVX2 build");
+#endif
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) { m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) {
+  m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
+  m.def("panel_linear_silu_mul(Tensor x, Tensor panels, int out_features) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) {
+  m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_silu_mul", &panel_linear_silu_mul);
+}

@@ -55,4 +55,17 @@ RAYTP_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
+// silu(g) * u = g / (1 + e^-g) * u, as torch computes silu; ops/csrc/fused_layers.cpp's SiLU-and-mul
+// and panel_gemm.cpp's gated GEMM both use these, so the two give the same bits.
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  return _mm256_mul_ps(silu, u);
+}
+
+// silu_mul8 on 16 lanes (exp16 gives exp8's bits, so this gives silu_mul8's).
+RAYTP_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(silu, u);
+}
+
 }  // namespace raytp

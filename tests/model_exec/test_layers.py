@@ -326,6 +326,63 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(tmp_path: Path) -> None:
     assert torch.equal(torch.load(paths["avx2"]), whole)
 
 
+_GATED_SCRIPT = """
+import sys, torch
+from model_exec.layers import cpu_gemm
+from ops import fused
+gen = torch.Generator().manual_seed(5)
+weight = torch.randn(2 * 96, 40, generator=gen) * 0.3
+assert cpu_gemm.can_use_panels(weight)  # loads the kernels
+panels = cpu_gemm.pack_panels(weight)
+results = []
+for rows in [*range(1, 26), 96, 97, 131]:
+    x = torch.randn(rows, 48, generator=gen)[:, 3:43]  # strided rows, as a norm's output is not, to cover both
+    two_steps = fused.silu_and_mul(cpu_gemm.panel_linear(x, panels, 192, None))
+    fused_once = cpu_gemm.panel_linear_silu_mul(x, panels, 96)
+    assert torch.equal(fused_once, two_steps), rows
+    results.append(fused_once)
+torch.save(results, sys.argv[1])
+"""
+
+
+def test_gated_panel_linear_equals_the_two_steps(tmp_path: Path) -> None:
+    """silu(gate) * up in one kernel has the bits of panel_linear then silu_and_mul, for every tile shape
+    (1-25 rows, row blocks), on the AVX-512 and AVX2 paths alike (each run in its own process: the kernels
+    pick their ISA once per process)."""
+    from model_exec.layers import cpu_gemm
+
+    if not cpu_gemm.can_use_panels(torch.empty(16, 8)):
+        pytest.skip("the panel kernel needs the C++ kernels built with AVX2")
+    paths = {}
+    for name, extra_env in (("default", {}), ("avx2", {"RAYTP_CPU_NO_AVX512": "1"})):
+        paths[name] = tmp_path / f"{name}.pt"
+        env = {**os.environ, **extra_env}
+        subprocess.run([sys.executable, "-c", _GATED_SCRIPT, str(paths[name])], check=True, env=env, cwd=REPO)
+    for a, b in zip(torch.load(paths["default"]), torch.load(paths["avx2"]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gate_up_layer_fuses_its_activation_where_it_can() -> None:
+    """GateUpParallelLinear.silu_and_mul = SiLU-and-mul of its projection, with and without a bias (the
+    fused kernel takes none), packed into panels or oneDNN's layout, or dense."""
+    from model_exec.layers.linear import GateUpParallelLinear
+
+    gen = torch.Generator().manual_seed(9)
+    for bias, pack in ((False, "panels"), (True, "panels"), (False, "onednn"), (False, "dense")):
+        layer = GateUpParallelLinear(24, 32, bias=bias, tp=TPGroup.single())
+        weight = torch.randn(64, 24, generator=gen)
+        layer.weight.data.copy_(weight)
+        if layer.bias is not None:
+            layer.bias.data.copy_(torch.randn(64, generator=gen))
+        expected_weight, expected_bias = weight.clone(), None if layer.bias is None else layer.bias.detach().clone()
+        if pack != "dense":
+            layer.pack_weights(panels=pack == "panels")
+        x = torch.randn(5, 24, generator=gen)
+        y = F.linear(x, expected_weight, expected_bias)
+        expected = F.silu(y[:, :32]) * y[:, 32:]
+        torch.testing.assert_close(layer.silu_and_mul(x), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("panels", [True, False])
 def test_linear_layers_pack_into_panels_or_onednn(panels: bool) -> None:
     """pack_weights() keeps one packed copy (panels, or oneDNN's with panels=False), releases the dense
