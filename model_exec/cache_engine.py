@@ -6,7 +6,8 @@ the device pool, CPU ids the swap pool.
 
 Allocation choices:
 - The device pool is zero-filled: attention reads unwritten slots of partial blocks (then masks
-  them), and masked values are multiplied by zero, so they must be finite.
+  them), and masked values are multiplied by zero, so they must be finite. On the CPU it sits on
+  transparent huge pages where Linux offers them (`huge_pages`): every decode step streams it.
 - The CPU swap pool is `torch.empty`: a swap block is only read after a swap-out wrote it whole,
   and untouched pages of an empty CPU tensor cost no memory until written. It is pinned when the
   device is CUDA, so swaps are plain DMA copies.
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from model_exec import huge_pages
 from ops.cache_ops import KVCache, copy_blocks, swap_blocks
 
 
@@ -55,10 +57,7 @@ class CacheEngine:
 
         block_shape = (block_size, num_kv_heads, head_dim)
         self._device_caches: list[KVCache] = [
-            (
-                torch.zeros((num_device_blocks, *block_shape), dtype=dtype, device=self.device),
-                torch.zeros((num_device_blocks, *block_shape), dtype=dtype, device=self.device),
-            )
+            (self._zeros((num_device_blocks, *block_shape)), self._zeros((num_device_blocks, *block_shape)))
             for _ in range(num_layers)
         ]
         pin = self.device.type == "cuda" and num_cpu_blocks > 0
@@ -69,6 +68,11 @@ class CacheEngine:
             )
             for _ in range(num_layers)
         ]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":  # every decode step streams the pool: on huge pages where Linux has them
+            return huge_pages.zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
     def device_caches(self) -> list[KVCache]:

@@ -1,0 +1,69 @@
+"""Transparent huge pages (2 MiB) for the big CPU tensors every step streams: the KV cache, the packed weights.
+
+A decode step reads every weight once (540 MB for SmolLM2-135M) and every running row's keys and
+values (gigabytes over a long batch). On 4 KiB pages that is a TLB miss every 4 KiB, and the
+hardware prefetchers stop at every page boundary. Linux backs memory with 2 MiB pages where it is
+advised to (`MADV_HUGEPAGE`); its default policy (`/sys/kernel/mm/transparent_hugepage/enabled`
+= `madvise`) gives none otherwise, and torch never asks. So the engine asks, for these tensors only:
+`zeros` for the KV cache (advised before the zeros touch the pages, so they fault in as huge pages)
+and `advise(..., collapse=True)` for weights packed by a copy (their pages are merged in place).
+
+Only the 2 MiB-aligned interior of a tensor's memory is advised: no allocation changes, no memory
+is added. Best effort everywhere: off Linux, with THP disabled (`never`), or without free huge pages
+the calls do nothing and the tensors keep 4 KiB pages, with the same values.
+
+Measured: benchmarks/step_profile.py's offline workload (96 requests) ... see README, "Huge pages".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1+: merge the range's pages now instead of whenever khugepaged gets to them
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def advise(t: torch.Tensor, collapse: bool = False) -> int:
+    """Ask Linux to back the 2 MiB-aligned part of `t`'s memory with huge pages; the bytes advised (0: none).
+
+    `collapse` also merges pages already touched (a tensor filled before this call) right away."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
+        return 0
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = end // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo or madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
+        return 0
+    if collapse:
+        madvise(lo, hi - lo, _MADV_COLLAPSE)  # may fail (old kernel, no free huge pages): khugepaged still will
+    return hi - lo
+
+
+def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.zeros(shape, dtype=dtype)` on the CPU, its pages advised before the zeros fault them in."""
+    t = torch.empty(tuple(shape), dtype=dtype)
+    advise(t)
+    return t.zero_()
