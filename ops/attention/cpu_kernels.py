@@ -1,5 +1,5 @@
 """The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
-`../csrc/panel_gemm.cpp`), compiled into one library once per machine at first use and cached.
+`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`), compiled into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
@@ -43,6 +43,7 @@ _SOURCES = [
     Path(__file__).with_name("csrc") / "paged_prefill.cpp",
     Path(__file__).parents[1] / "csrc" / "fused_layers.cpp",  # ops/fused.py's norm, rotary and SiLU kernels
     Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
+    Path(__file__).parents[1] / "csrc" / "kv_write.cpp",  # ops/cache_ops.py's write_to_paged_cache
 ]
 # Headers the sources include: torch's rebuild check hashes the sources and flags only, so their
 # contents' hash goes into the flags (`_header_flag`); an edited header then rebuilds too.
@@ -57,6 +58,7 @@ _OPS = (
     "silu_and_mul",
     "panel_linear",
     "panel_linear_silu_mul",
+    "write_kv_cache",
 )
 
 

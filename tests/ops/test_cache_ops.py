@@ -45,6 +45,32 @@ def test_write_accepts_strided_views() -> None:
     assert torch.equal(kc.view(-1, 2, 8)[1:4], key) and torch.equal(vc.view(-1, 2, 8)[1:4], value)
 
 
+def test_write_of_a_prefill_chunk_and_of_other_layouts_matches_index_copy() -> None:
+    """A long chunk (the C++ copy splits it over threads), a layout it does not take (heads not side by
+    side: the torch path), bf16: all equal index_copy_ into the flat cache."""
+    g = torch.Generator().manual_seed(7)
+    cases = ((torch.float32, 600, False), (torch.float32, 9, True), (torch.bfloat16, 9, False))
+    for dtype, tokens, transposed in cases:
+        kc, vc = torch.zeros(200, 4, 2, 8, dtype=dtype), torch.zeros(200, 4, 2, 8, dtype=dtype)
+        slots = torch.randperm(800, generator=g)[:tokens]
+        key, value = torch.randn(tokens, 2, 8, generator=g).to(dtype), torch.randn(tokens, 2, 8, generator=g).to(dtype)
+        if transposed:
+            key = key.transpose(0, 1).contiguous().transpose(0, 1)
+            value = value.transpose(0, 1).contiguous().transpose(0, 1)
+        write_to_paged_cache(key, value, kc, vc, slots)
+        expected_k = torch.zeros(800, 2, 8, dtype=dtype).index_copy_(0, slots, key)
+        expected_v = torch.zeros(800, 2, 8, dtype=dtype).index_copy_(0, slots, value)
+        assert torch.equal(kc.view(-1, 2, 8), expected_k) and torch.equal(vc.view(-1, 2, 8), expected_v)
+
+
+def test_write_refuses_a_slot_outside_the_cache() -> None:
+    ((kc, vc),) = _caches(1, 3)
+    before = kc.clone()
+    with pytest.raises((IndexError, RuntimeError)):
+        write_to_paged_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), kc, vc, torch.tensor([3, 40]))
+    assert torch.equal(kc, before)  # checked before anything is written
+
+
 def test_copy_blocks_moves_exactly_the_pairs() -> None:
     caches = _caches(3, 2)
     before = _clone(caches)
