@@ -14,7 +14,26 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+// One token's row into its slot. The slots of a step are scattered over a cache far larger than the
+// CPU caches, so an ordinary store first reads each destination line from DRAM (read-for-ownership):
+// a 64-row decode step's 138 KB of writes then took ~75 us per layer in the offline workload, latency
+// and not bandwidth. Streaming (non-temporal) stores write whole lines without reading them; the
+// decode kernel's read of the new token right after is one line per token.
+inline void copy_row(float* dst, const float* src, int64_t n) {
+#if defined(__AVX2__)
+  if (reinterpret_cast<std::uintptr_t>(dst) % 32 == 0 && n % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n * sizeof(float));
+}
 
 // Below this many tokens (a decode step, a short chunk) the copies stay on the calling thread.
 constexpr int64_t kParallelTokens = 256;
@@ -46,9 +65,12 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const auto copy = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slots[t] * width, k + t * ks, width * sizeof(float));
-      std::memcpy(vc + slots[t] * width, v + t * vs, width * sizeof(float));
+      copy_row(kc + slots[t] * width, k + t * ks, width);
+      copy_row(vc + slots[t] * width, v + t * vs, width);
     }
+#if defined(__AVX2__)
+    _mm_sfence();  // the streamed lines are globally visible before the attention reads them
+#endif
   };
   if (tokens < kParallelTokens)
     copy(0, tokens);
