@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from serve_app import SERVE_ENV_DEFAULTS
 from tests.k8s.chart import cluster_spec, container_env, load_values, of_kind, one, pod_templates, render, serve_config
 
 
@@ -24,6 +25,8 @@ def test_cpu_small_runs_the_embedded_model_on_cpu_workers() -> None:
         # every node runs a Serve HTTP proxy; each must validate X-Request-Id (issue 8)
         proxy_hook = container_env(template)["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]
         assert proxy_hook == "raytp.openai.request_id:proxy_middlewares"
+        # Serve's high-throughput mode, as `raytp serve` starts Ray with it
+        assert SERVE_ENV_DEFAULTS.items() <= container_env(template).items()
     args = serve_config(objs)["applications"][0]["args"]
     assert "model" not in args and args["device"] == "cpu" and args["num_replicas"] == 1
     assert container_env(group["template"])["RAYTP_CPUS_PER_WORKER"] == "3"
