@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from model_exec import malloc_tuning
 from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.model_runner import ModelRunner, profile_forward
@@ -87,6 +88,8 @@ class ModelShard:
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:  # every step's activations come from malloc: keep them off fresh pages
+            malloc_tuning.keep_freed_memory()
         if world_size == 1:
             self.tp = TPGroup.single()
         else:
