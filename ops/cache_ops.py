@@ -27,7 +27,7 @@ def write_to_paged_cache(
 
     fp32 on the CPU: one C++ call for both (`csrc/kv_write.cpp`), where the two index_copy_ cost ~35 us
     each per layer for a decode step's few KB."""
-    if _cpu_kernel_applies(key, value, key_cache, slot_mapping):
+    if _cpu_kernel_applies(key, value, key_cache, value_cache, slot_mapping):
         torch.ops.raytp_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
         return
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -36,8 +36,13 @@ def write_to_paged_cache(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def _cpu_kernel_applies(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor) -> bool:
-    if not (key_cache.is_cpu and key_cache.dtype == torch.float32 and key.dtype == value.dtype == torch.float32):
+def _cpu_kernel_applies(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    for cache in (key_cache, value_cache):
+        if not (cache.is_cpu and cache.dtype == torch.float32 and cache.is_contiguous()):
+            return False
+    if not key.dtype == value.dtype == torch.float32:
         return False
     if slots.dtype != torch.int64 or not slots.is_contiguous():
         return False

@@ -256,43 +256,43 @@ RAYTP_AVX512 void block_avx512(const float* x, int64_t ldx, int64_t rows, const 
   }
 }
 
-// panel_linear_silu_mul's tiles: gate panels [g_begin, g_end), each with its up panel `half` panels
-// further on, as block_avx512 runs plain panels (12-row tiles, then the 1-11 remaining rows).
+// panel_linear_silu_mul's tiles: MB rows against gate panels [g_begin, g_end), each with its up panel
+// `half` panels further on.
 template <int MB>
 RAYTP_AVX512 void gated_tiles512(const float* x, int64_t ldx, const float* wp, int64_t k_len, int64_t g_begin,
-                                 int64_t g_end, float* op, int64_t ldo, int64_t half, bool fetch_ahead) {
-  const int64_t up = half * k_len * kPanel;
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    const float* ahead = fetch_ahead && g + 1 < g_end ? wp + (g + 1) * k_len * kPanel : nullptr;
-    tile512<MB, 2, true>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, kPanel}, ahead, up);
-  }
+                                 int64_t g_end, float* op, int64_t ldo, int64_t half) {
+  for (int64_t g = g_begin; g < g_end; ++g)
+    tile512<MB, 2, true>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, kPanel}, nullptr,
+                         half * k_len * kPanel);
 }
 
+// block_avx512's loop for gated tiles: 12-row tiles (the first on each panel prefetching the next gate
+// and up panels), then the 1-11 remaining rows on the chunk's panels while they are in L2.
 RAYTP_AVX512 void gated_block_avx512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len,
                                      int64_t g_begin, int64_t g_end, float* op, int64_t ldo, int64_t half) {
   const int64_t full = rows / 12 * 12;
   for (int64_t c = g_begin; c < g_end; c += kChunk) {
     const int64_t c_end = std::min(c + kChunk, g_end);
     for (int64_t g = c; g < c_end; ++g) {
-      const float* ahead = g + 1 < g_end ? wp + (g + 1) * k_len * kPanel : nullptr;  // see block_avx512
+      const float* ahead = g + 1 < g_end ? wp + (g + 1) * k_len * kPanel : nullptr;
       for (int64_t m = 0; m < full; m += 12, ahead = nullptr)
         tile512<12, 2, true>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, kPanel},
                              ahead, half * k_len * kPanel);
     }
     const float* xt = x + full * ldx;
     float* ot = op + full * ldo;
-    switch (rows - full) {  // on the chunk's panels while they are in L2
-      case 1: gated_tiles512<1>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 2: gated_tiles512<2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 3: gated_tiles512<3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 4: gated_tiles512<4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 5: gated_tiles512<5>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 6: gated_tiles512<6>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 7: gated_tiles512<7>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 8: gated_tiles512<8>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 9: gated_tiles512<9>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 10: gated_tiles512<10>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
-      case 11: gated_tiles512<11>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half, false); break;
+    switch (rows - full) {
+      case 1: gated_tiles512<1>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 2: gated_tiles512<2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 3: gated_tiles512<3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 4: gated_tiles512<4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 5: gated_tiles512<5>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 6: gated_tiles512<6>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 7: gated_tiles512<7>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 8: gated_tiles512<8>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 9: gated_tiles512<9>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 10: gated_tiles512<10>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+      case 11: gated_tiles512<11>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
       default: break;
     }
   }
@@ -365,9 +365,11 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, 
     float* op = out.data_ptr<float>();
     const int64_t d = out_features;
     at::parallel_for(0, x.size(0), std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
+      for (int64_t r = begin; r < end; ++r) {
+        const float* gate = bp + r * 2 * d;
         for (int64_t i = 0; i < d; i += 8)
-          _mm256_storeu_ps(op + r * d + i, raytp::silu_mul8(_mm256_loadu_ps(bp + r * 2 * d + i), _mm256_loadu_ps(bp + r * 2 * d + d + i)));
+          _mm256_storeu_ps(op + r * d + i, raytp::silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(gate + d + i)));
+      }
     });
     return out;
   }
