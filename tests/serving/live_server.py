@@ -20,8 +20,9 @@ import requests
 from ray import serve
 
 from raytp.openai.request_id import enable_proxy_guard
-from serve_app import build_app, use_serve_defaults
+from serve_app import build_app
 from tests.helpers.ports import free_port
+from tests.helpers.serve_env import serve_defaults
 
 APP = "raytp"
 # Small KV pools: several engines (the server's and the offline reference) share the machine.
@@ -68,8 +69,8 @@ def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]
     if ray.is_initialized():
         ray.shutdown()
     enable_proxy_guard()  # as `raytp serve` does: the proxies it starts validate X-Request-Id,
-    use_serve_defaults()  # and Serve runs in its high-throughput mode
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    with serve_defaults():  # and Serve runs in its high-throughput mode
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

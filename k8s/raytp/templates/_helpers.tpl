@@ -140,10 +140,8 @@ through toJson so large integers never print in exponent form.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: "raytp.openai.request_id:proxy_middlewares"
 # Serve's high-throughput mode, as `raytp serve` runs it (serve_app.SERVE_ENV_DEFAULTS): direct ingress and
-# gRPC between replicas, and HAProxy (bundled with ray[serve]) on each node's HTTP port.
+# gRPC between replicas. Not HAProxy: in Ray 2.60 it makes Serve's HTTP metrics count answered requests as 499.
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
-  value: "1"
-- name: RAY_SERVE_ENABLE_HA_PROXY
   value: "1"
 {{- end }}
 {{- if and (eq .kind "serve") $v.serving.apiKey.secretName }}
