@@ -72,11 +72,13 @@ _HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
 # sets it on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
 # benchmarks/serving_profile.py, README "Serving hops".
 # Decision: the mode's other half, RAY_SERVE_ENABLE_HA_PROXY (HAProxy on each node's HTTP port), stays
-# off, although it cuts the proxy's CPU per streamed token from 0.70 to 0.29 ms. In Ray 2.60 the ingress
-# replica then records responses it sent in full as status 499 whenever HAProxy's close of the connection
-# wins the race with the replica's own bookkeeping (replica.py: the disconnect is seen before `send`
-# returns), so ray_serve_num_http_requests_total and the dashboard's error panels lose real 500s and
-# count 200s as client aborts (6 of 10 requests in tests/metrics/test_prometheus_live.py).
+# off, although it cuts the proxy's CPU per streamed token from 0.70 to 0.29 ms. In Ray 2.60 Serve's HTTP
+# request metrics then come from HAProxy's per-request log, and any request whose termination state starts
+# with "C" (the client closed its side first, as a `Connection: close` client does once it has the body)
+# is booked as status 499 (serve/_private/haproxy_metrics.py), so ray_serve_num_http_requests_total and
+# the dashboard's error panels lose real 500s and count answered 200s as client aborts (6 of 10 requests
+# in tests/metrics/test_prometheus_live.py). RAY_SERVE_HAPROXY_METRICS_ENABLED=0 moves them back to the
+# replica, which then also counts HAProxy's health checks (/-/healthz, ~1/s) as requests.
 # An operator can still set it; `use_serve_defaults` never overrides what is set.
 SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
