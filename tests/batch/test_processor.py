@@ -134,8 +134,11 @@ def test_rows_of_a_killed_engine_are_redone_on_a_fresh_one(
     offline: LLM,
 ) -> None:
     """The engine is killed once the first row is out; later batches meet the dead engine, the replica
-    starts a fresh one and answers them: every row succeeds, greedy texts as offline."""
-    prompts = [f"kill {i}:" for i in range(10)]
+    starts a fresh one and answers them: every row succeeds, greedy texts as offline.
+
+    40 rows in batches of 2, so the batches after the first take seconds: with 10 rows, the engine once
+    answered them all before this loop had killed it (CI, 2026-11-25)."""
+    prompts = [f"kill {i}:" for i in range(40)]
     params = {"max_tokens": 32, "temperature": 0}
     rows = [{"i": i, "prompt": p, "sampling_params": params} for i, p in enumerate(prompts)]
     config = ProcessorConfig(model_source=model_dir, engine_kwargs=ENGINE, batch_size=2)
