@@ -6,10 +6,14 @@
 
 The Serve graph, as `build_app` binds it:
 
-    HTTP proxy -> OpenAIIngress (FastAPI routes: auth, parsing, tokenizer, chat template, response shapes)
-                     -> LLMServer replicas (one per model replica; Serve balances across them)
-                           hosting the engine loop (scheduler, KV blocks, output processing)
-                              -> placement group of TP worker actors (model shard + KV cache each)
+    HAProxy (each node's HTTP port) -> OpenAIIngress replicas, one per model replica (Serve balances):
+        FastAPI routes (auth, parsing, tokenizer, chat template, response shapes) and the replica's
+        engine loop (scheduler, KV blocks, output processing), handing each token to its SSE stream
+        through an asyncio queue
+            -> placement group of TP worker actors (model shard + KV cache each)
+
+With `split_ingress`, the engine loops move to an `LLMServer` deployment of their own behind
+`ingress_replicas` ingress replicas (one Ray message per streamed token between the two).
 
 A request's tokens come back as the engine's `RequestDelta`s (text, stop strings and logprobs
 already done by the engine's one output road); the ingress only shapes them into OpenAI's JSON
@@ -26,7 +30,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -55,8 +59,11 @@ from raytp.openai.protocol import (
     TokenizeResponse,
 )
 from raytp.openai.request_id import request_id_of
-from raytp.openai.stream import ServeEngineClient
+from raytp.openai.stream import ModelReplicaClient, ServeEngineClient
 from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.controller import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -103,42 +110,58 @@ def use_serve_defaults() -> None:
 # ----------------------------------------------------------------------------- model replicas
 
 
-class LLMServer:
-    """One model replica: hosts the engine's step loop (`EngineLoop`: scheduler, KV blocks, output
-    processing) in this replica's process, and owns the TP worker actors, in their placement group.
+async def _start_engine(config: EngineConfig, served_model_name: str | None) -> tuple["EngineLoop", dict[str, Any]]:
+    """Load the model in this Serve replica: (its engine loop, model_info). Loading blocks (it waits on the
+    workers), so it runs off the event loop; a replica that awaits this in its async __init__ does not report
+    ready before it is done. The Serve replica id labels this engine's metrics (`replica`), as Serve's own
+    series name replicas."""
+    from cluster.controller import EngineLoop
 
-    Ownership is the lifetime: a replica that Serve stops or replaces takes its engine and workers
-    with it, so `num_replicas` / autoscaling scale whole model replicas.
+    replica = serve.get_replica_context().replica_id.unique_id
+    engine = await asyncio.to_thread(EngineLoop, config, replica, served_model_name)
+    info = await engine.model_info()
+    logger.info("model replica ready: %s", info)
+    return engine, info
 
-    Decision: the engine loop lives here, not in an actor of its own. Each streamed token then costs
-    one Ray message (this replica -> ingress) instead of two, and the process it crossed is gone:
-    on a 2-core machine, 1.1 ms less CPU per output token and ~170 MB less peak RSS (README, "Serving hops").
+
+class ModelReplica:
+    """One model replica: the engine's step loop (`EngineLoop`: scheduler, KV blocks, output processing)
+    in this process, its TP worker actors in their placement group, and admission control.
+
+    It lives in the `OpenAIIngress` replica (the default) or, with `split_ingress`, in a deployment of
+    its own (`LLMServer`) behind a separately scaled ingress. Either way the replica's lifetime is the
+    engine's: a replica that Serve stops or replaces takes its engine and workers with it, so
+    `num_replicas` / autoscaling scale whole model replicas.
+
+    Decision: the engine loop lives in a Serve replica, not in an actor of its own, and by default in the
+    replica that serves HTTP. A streamed token then crosses no Ray message at all between the engine
+    and the HTTP response: an asyncio queue hands it to the route's SSE stream (README, "Serving hops").
     The step loop shares the replica's event loop with the request streams (and, in Serve's
-    high-throughput mode, with Serve's own request handling); only schedule/update run there, a few
-    ms per step, while the forward pass waits in the loop's step thread. A dead engine
-    (a worker died, a step failed) is still observed by `check_health`, and Serve replaces the replica.
+    high-throughput mode, with Serve's own request handling); only schedule/update run there, a few ms
+    per step, while the forward pass waits in the loop's step thread. A dead engine (a worker died, a step
+    failed) is observed by `health`, and Serve replaces the replica.
     """
 
-    # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
-    async def __init__(  # type: ignore[misc]
-        self, engine_config: EngineConfig, max_waiting_requests: int | None = None, served_model_name: str | None = None
-    ) -> None:
-        from cluster.controller import EngineLoop
-
-        replica = serve.get_replica_context().replica_id.unique_id
-        # Loading the model blocks (it waits on the workers), so it runs off the event loop; the replica
-        # does not report ready before it is done. The replica id labels this engine's metrics
-        # (`replica`), as Serve's own series name replicas.
-        self._engine = await asyncio.to_thread(EngineLoop, engine_config, replica, served_model_name)
+    def __init__(self, engine: "EngineLoop", info: dict[str, Any], max_waiting_requests: int | None) -> None:
+        self._engine = engine
+        self._info = info
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
-        self._info: dict[str, Any] = await self._engine.model_info()
-        logger.info("model replica ready: %s", self._info)
+
+    @classmethod
+    async def start(
+        cls, engine_config: EngineConfig, max_waiting_requests: int | None, served_model_name: str | None
+    ) -> "ModelReplica":
+        return cls(*await _start_engine(engine_config, served_model_name), max_waiting_requests)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.engine.tokenizer
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestDelta]:
-        """Stream the engine's deltas. Cancelling this stream (client gone) aborts the request."""
+        """Stream the engine's deltas. Closing this stream early (client gone) aborts the request."""
         self._admit()
         waiting = True  # counted in self._num_waiting until its first delta arrives
         try:
@@ -158,8 +181,8 @@ class LLMServer:
         """Refuse (503) once max_waiting_requests requests wait for their first token here.
 
         Decision: "waiting" is counted in this replica (accepted, no output yet), not read from the
-        controller's queue: the check is then exact under concurrent arrivals and costs no round
-        trip; the two differ only by requests preempted back into the controller's queue.
+        scheduler's queue: the check is then exact under concurrent arrivals; the two differ only by
+        requests preempted back into the scheduler's queue.
         """
         if self._max_waiting is not None and self._num_waiting >= self._max_waiting:
             raise EngineOverloadedError(
@@ -178,6 +201,20 @@ class LLMServer:
         """Raises EngineDeadError when the engine is dead (the ingress answers 503)."""
         await self._engine.check_health()
 
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
+
+
+class LLMServer(ModelReplica):
+    """The `LLMServer` deployment of `split_ingress` apps: a `ModelReplica` as a Serve replica of its
+    own, reached by the ingress through a deployment handle (one Ray message per streamed token)."""
+
+    # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
+    async def __init__(  # type: ignore[misc]
+        self, engine_config: EngineConfig, max_waiting_requests: int | None = None, served_model_name: str | None = None
+    ) -> None:
+        super().__init__(*await _start_engine(engine_config, served_model_name), max_waiting_requests)
+
     async def check_health(self) -> None:
         # Serve's health hook: raising marks this replica unhealthy, and Serve replaces it
         # (and with it the engine and its workers) with a fresh one.
@@ -185,7 +222,7 @@ class LLMServer:
 
     async def __del__(self) -> None:
         with contextlib.suppress(Exception):  # a half-built or already failed engine: nothing to release
-            await self._engine.shutdown()
+            await self.shutdown()
 
 
 # ----------------------------------------------------------------------------- HTTP ingress
@@ -214,19 +251,33 @@ def _respond(result: Any, request_id: str) -> Response:
     return json_response(result)
 
 
-async def _awaitable(response: Any) -> Any:
-    return await response
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an ingress replica needs to host its own model replica (the default, not `split_ingress`)."""
+
+    config: EngineConfig
+    max_waiting_requests: int | None = None
+    served_model_name: str | None = None
 
 
 @serve.ingress(api)
 class OpenAIIngress:
-    async def __init__(self, server: DeploymentHandle, settings: IngressSettings) -> None:  # type: ignore[misc]
+    async def __init__(self, engine: DeploymentHandle | EngineSettings, settings: IngressSettings) -> None:  # type: ignore[misc]
+        """`engine`: the settings of the model replica this replica hosts, or (`split_ingress`) the handle
+        of the LLMServer deployment."""
         source = resolve_model(settings.model, settings.revision)
-        tokenizer = load_tokenizer(source, settings.trust_remote_code)
-        self.server = server
-        info = await server.model_info.remote()  # waits for a model replica: ready means servable
+        self._local: ModelReplica | None = None
+        self.replica: ModelReplicaClient
+        if isinstance(engine, EngineSettings):
+            self._local = await ModelReplica.start(engine.config, engine.max_waiting_requests, engine.served_model_name)
+            self.replica = self._local
+            tokenizer = self._local.tokenizer  # the engine's own: one copy per process
+        else:
+            self.replica = ServeEngineClient(engine)
+            tokenizer = load_tokenizer(source, settings.trust_remote_code)
+        info = await self.replica.model_info()  # waits for a model replica: ready means servable
         self.ctx = ServingContext(
-            client=ServeEngineClient(server),
+            client=self.replica,
             tokenizer=tokenizer,
             model_name=settings.served_model_name or source.name,
             max_model_len=int(info["max_model_len"]),
@@ -238,6 +289,24 @@ class OpenAIIngress:
         self._completions = CompletionHandler(self.ctx)
         self._chat = ChatHandler(self.ctx)
 
+    # Not routes: Serve calls these, and tests reach them through the deployment handle.
+    async def check_health(self) -> None:
+        """Serve's health hook. With its own model replica, a dead engine marks this replica unhealthy
+        and Serve replaces it (engine and workers with it); a split ingress stays healthy on its own."""
+        if self._local is not None:
+            await self._local.health()
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.replica.get_stats()
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.replica.model_info()
+
+    async def __del__(self) -> None:
+        if self._local is not None:
+            with contextlib.suppress(Exception):  # an already failed engine: nothing to release
+                await self._local.shutdown()
+
     @api.get("/metrics")
     async def metrics(self) -> Response:
         """Prometheus text: the raytp and Ray Serve series of every node, as Ray's metrics agents export
@@ -248,7 +317,7 @@ class OpenAIIngress:
     @api.get("/health")
     async def health(self) -> Response:
         try:
-            await asyncio.wait_for(_awaitable(self.server.health.remote()), _HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(self.replica.health(), _HEALTH_TIMEOUT_S)
         except TimeoutError:
             return OpenAIError(
                 "The engine did not answer in time.", 503, "server_error", code="engine_unavailable"
@@ -306,8 +375,13 @@ class ServeArgs:
     served_model_name: str | None = None
     num_replicas: int | None = None  # None with no autoscaling_config: 1
     autoscaling_config: dict[str, Any] | None = None  # Serve's AutoscalingConfig, for the model replicas
-    ingress_replicas: int = 1
-    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS  # per replica, both deployments
+    # Decision (README, "Serving hops"): by default each model replica is an `OpenAIIngress` replica that
+    # hosts its engine loop, so a streamed token crosses no Ray message between engine and HTTP response.
+    # split_ingress: the model replicas form an `LLMServer` deployment of their own behind
+    # `ingress_replicas` ingress replicas (HTTP, tokenizer and engines scale apart, one Ray hop per token).
+    split_ingress: bool = False
+    ingress_replicas: int | None = None  # split_ingress only; None: 1
+    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS  # per replica, every deployment
     max_waiting_requests: int | None = None  # 503 once a replica's waiting queue holds this many
     api_key: str | None = None
     health_check_period_s: float | None = None  # None: Serve's default
@@ -318,8 +392,14 @@ class ServeArgs:
             raise ValueError("num_replicas and autoscaling_config are exclusive: give one of them.")
         if self.num_replicas is not None and self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}.")
-        if self.ingress_replicas < 1:
-            raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
+        if self.ingress_replicas is not None:
+            if not self.split_ingress:
+                raise ValueError(
+                    "ingress_replicas needs split_ingress: without it every model replica serves HTTP itself "
+                    "(scale with num_replicas or autoscaling_config)."
+                )
+            if self.ingress_replicas < 1:
+                raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -346,19 +426,15 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """
     sa = ServeArgs.from_dict(dict(args or {}))
     engine = sa.engine
-    server_options: dict[str, Any] = {
-        "name": "LLMServer",
-        "max_ongoing_requests": sa.max_ongoing_requests,
-        # The replica only relays; the compute is reserved by the controller and its workers.
-        "ray_actor_options": {"num_cpus": 0},
-    }
+    # The model replicas' deployment: the ingress itself, or LLMServer with split_ingress. No CPUs are
+    # reserved for it: the compute is reserved by the TP worker actors.
+    replicas: dict[str, Any] = {"max_ongoing_requests": sa.max_ongoing_requests, "ray_actor_options": {"num_cpus": 0}}
     if sa.autoscaling_config is not None:
-        server_options["autoscaling_config"] = sa.autoscaling_config
+        replicas["autoscaling_config"] = sa.autoscaling_config
     else:
-        server_options["num_replicas"] = sa.num_replicas if sa.num_replicas is not None else 1
+        replicas["num_replicas"] = sa.num_replicas if sa.num_replicas is not None else 1
     if sa.health_check_period_s is not None:
-        server_options["health_check_period_s"] = sa.health_check_period_s
-    server = serve.deployment(**server_options)(LLMServer).bind(engine, sa.max_waiting_requests, sa.served_model_name)
+        replicas["health_check_period_s"] = sa.health_check_period_s
     settings = IngressSettings(
         model=engine.model,
         revision=engine.revision,
@@ -368,13 +444,19 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         api_key=sa.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=sa.max_request_body_bytes,
     )
-    ingress = serve.deployment(
+    if not sa.split_ingress:
+        ingress = serve.deployment(name="OpenAIIngress", **replicas)(OpenAIIngress)
+        return ingress.bind(EngineSettings(engine, sa.max_waiting_requests, sa.served_model_name), settings)
+    server = serve.deployment(name="LLMServer", **replicas)(LLMServer).bind(
+        engine, sa.max_waiting_requests, sa.served_model_name
+    )
+    split_ingress = serve.deployment(
         name="OpenAIIngress",
-        num_replicas=sa.ingress_replicas,
+        num_replicas=sa.ingress_replicas or 1,
         max_ongoing_requests=sa.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )(OpenAIIngress)
-    return ingress.bind(server, settings)
+    return split_ingress.bind(server, settings)
 
 
 app = build_app({})

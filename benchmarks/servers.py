@@ -3,7 +3,8 @@
 Each server runs in a session of its own (so a stuck one can be ended with its whole process group)
 and has its process tree's memory sampled from start to stop. `raytp serve` starts a private local Ray
 instance (RAY_ADDRESS is removed from its environment), so its tree holds every process it costs:
-the driver, Ray's GCS and raylet, the Serve proxy, the LLMServer replica and the engine actors.
+the driver, Ray's GCS and raylet, the Serve proxy and HAProxy, the ingress replica (HTTP and the engine
+loop) and the engine's worker actors.
 """
 
 from __future__ import annotations

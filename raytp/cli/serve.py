@@ -36,6 +36,14 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set RAYTP_API_KEY)")
     p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
     p.add_argument("--autoscaling-config", type=json.loads, default=None, help="Serve autoscaling config as JSON")
+    p.add_argument(
+        "--split-ingress",
+        action="store_true",
+        default=None,
+        help="run the HTTP ingress as its own deployment in front of the model replicas (default: each model "
+        "replica serves HTTP itself, with no Ray hop per streamed token)",
+    )
+    p.add_argument("--ingress-replicas", type=int, default=None, help="ingress replicas, with --split-ingress (default 1)")
     p.add_argument("--max-waiting-requests", type=int, default=None, help="503 when a replica's queue is this long")
     p.add_argument(
         "--max-request-body-bytes", type=int, default=None, help="413 for larger request bodies (default 4 MiB)"
@@ -56,6 +64,8 @@ def serve_args_of(args: argparse.Namespace) -> dict[str, Any]:
         "api_key",
         "num_replicas",
         "autoscaling_config",
+        "split_ingress",
+        "ingress_replicas",
         "max_waiting_requests",
         "max_request_body_bytes",
     )

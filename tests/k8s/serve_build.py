@@ -22,6 +22,13 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
     from ray.serve._private.build_app import build_app
 
     from cluster.config import EngineConfig
+    from serve_app import EngineSettings
+
+    def engine_config(arg: Any) -> EngineConfig | None:
+        """The EngineConfig a deployment's init arg carries: LLMServer's own, or the ingress's EngineSettings'."""
+        if isinstance(arg, EngineSettings):
+            return arg.config
+        return arg if isinstance(arg, EngineConfig) else None
 
     app_config = config["applications"][0]
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_config["import_path"]), app_config["args"])
@@ -33,9 +40,9 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
         deployments[d.name] = {
             "num_replicas": d.num_replicas,
             "autoscaling": None if autoscaling is None else [autoscaling.min_replicas, autoscaling.max_replicas],
-            "binds_engine": any(isinstance(a, EngineConfig) for a in d.init_args),
+            "binds_engine": any(engine_config(a) is not None for a in d.init_args),
         }
-        engines += [dataclasses.asdict(a) for a in d.init_args if isinstance(a, EngineConfig)]
+        engines += [dataclasses.asdict(c) for c in map(engine_config, d.init_args) if c is not None]
     return {
         "deployments": deployments,
         "engine_configs": engines,

@@ -2,7 +2,7 @@
 
 Each module gets its own local Ray (4 logical CPUs, so TP workers' 1-CPU bundles fit on a
 2-core machine) and a free port; nothing is hard-coded. The test process is the Ray
-driver, so tests can also reach the LLMServer deployment (for get_stats) and the actors.
+driver, so tests can also reach the deployments (for get_stats) and the actors.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ class LiveServer:
         return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, timeout=300)
 
     def stats(self) -> dict[str, Any]:
-        """The controller's get_stats, through the LLMServer deployment (one replica in these tests)."""
-        handle = serve.get_deployment_handle("LLMServer", APP)
+        """The engine's get_stats, through the deployment that serves HTTP (one replica in these tests)."""
+        handle = serve.get_deployment_handle("OpenAIIngress", APP)
         result: dict[str, Any] = handle.get_stats.remote().result(timeout_s=30)
         return result
 
     def model_info(self) -> dict[str, Any]:
-        result: dict[str, Any] = serve.get_deployment_handle("LLMServer", APP).model_info.remote().result(timeout_s=30)
+        result: dict[str, Any] = serve.get_deployment_handle("OpenAIIngress", APP).model_info.remote().result(timeout_s=30)
         return result
 
     def wait_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:

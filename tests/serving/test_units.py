@@ -30,6 +30,29 @@ def test_serve_args_parsing() -> None:
         ServeArgs.from_dict({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}})
     with pytest.raises(ValueError, match="block_size"):
         ServeArgs.from_dict({"block_size": 3})
+    # Without split_ingress the model replicas serve HTTP themselves: a count of ingress replicas is a mistake.
+    with pytest.raises(ValueError, match="ingress_replicas needs split_ingress"):
+        ServeArgs.from_dict({"ingress_replicas": 2})
+    assert ServeArgs.from_dict({"split_ingress": True, "ingress_replicas": 2}).ingress_replicas == 2
+
+
+def test_the_model_replicas_serve_http_unless_split() -> None:
+    """One deployment (the ingress hosts its engine) by default; `split_ingress` adds LLMServer behind it."""
+
+    def deployments(args: dict[str, object]) -> dict[str, int | None]:
+        app = build_app(args)
+        ingress = app._bound_deployment  # Serve's bound graph: the ingress, its init args
+        found = {ingress.name: ingress._deployment_config.num_replicas}
+        for arg in ingress.init_args:
+            if hasattr(arg, "_bound_deployment"):
+                found[arg._bound_deployment.name] = arg._bound_deployment._deployment_config.num_replicas
+        return found
+
+    assert deployments({"num_replicas": 3}) == {"OpenAIIngress": 3}
+    assert deployments({"num_replicas": 3, "split_ingress": True, "ingress_replicas": 2}) == {
+        "OpenAIIngress": 2,
+        "LLMServer": 3,
+    }
 
 
 def test_example_serve_config_is_valid() -> None:

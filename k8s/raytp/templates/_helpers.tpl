@@ -74,7 +74,7 @@ one GPU and PACK keeps a replica's ranks on one pod); on CPU, one.
 
 {{/*
 serveConfigV2: one Serve application, serve_app:build_app with its args (ServeArgs in
-cluster/serving/builder.py). The API key is never an arg: the ingress reads RAYTP_API_KEY.
+serve_app.py). The API key is never an arg: the ingress reads RAYTP_API_KEY.
 */}}
 {{- define "raytp.serveConfig" -}}
 {{- $v := .Values }}
@@ -89,7 +89,10 @@ cluster/serving/builder.py). The API key is never an arg: the ingress reads RAYT
 {{- else }}
 {{- $_ := set $args "num_replicas" $v.serving.numReplicas }}
 {{- end }}
+{{- if $v.serving.splitIngress }}
+{{- $_ := set $args "split_ingress" true }}
 {{- $_ := set $args "ingress_replicas" $v.serving.ingressReplicas }}
+{{- end }}
 {{- $_ := set $args "max_ongoing_requests" $v.serving.maxOngoingRequests }}
 {{- if not (kindIs "invalid" $v.serving.maxWaitingRequests) }}{{ $_ := set $args "max_waiting_requests" $v.serving.maxWaitingRequests }}{{ end }}
 {{- if not (kindIs "invalid" $v.serving.healthCheckPeriodS) }}{{ $_ := set $args "health_check_period_s" $v.serving.healthCheckPeriodS }}{{ end }}
