@@ -422,7 +422,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application; `import_path: serve_app:build_app` in a Serve config YAML.
 
     args = {"model": None, "tensor_parallel_size": 1, ...any EngineConfig field...,
-            "num_replicas": 1 | "autoscaling_config": {...}, "api_key": ..., "max_waiting_requests": ...}
+            "num_replicas": 1 | "autoscaling_config": {...}, "api_key": ..., "max_waiting_requests": ...,
+            "split_ingress": False, "ingress_replicas": None (with split_ingress)}
     """
     sa = ServeArgs.from_dict(dict(args or {}))
     engine = sa.engine

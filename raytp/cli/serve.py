@@ -43,7 +43,9 @@ def add_serve_parser(sub: Any) -> None:
         help="run the HTTP ingress as its own deployment in front of the model replicas (default: each model "
         "replica serves HTTP itself, with no Ray hop per streamed token)",
     )
-    p.add_argument("--ingress-replicas", type=int, default=None, help="ingress replicas, with --split-ingress (default 1)")
+    p.add_argument(
+        "--ingress-replicas", type=int, default=None, help="ingress replicas, with --split-ingress (default 1)"
+    )
     p.add_argument("--max-waiting-requests", type=int, default=None, help="503 when a replica's queue is this long")
     p.add_argument(
         "--max-request-body-bytes", type=int, default=None, help="413 for larger request bodies (default 4 MiB)"

@@ -49,7 +49,8 @@ class LiveServer:
         return result
 
     def model_info(self) -> dict[str, Any]:
-        result: dict[str, Any] = serve.get_deployment_handle("OpenAIIngress", APP).model_info.remote().result(timeout_s=30)
+        handle = serve.get_deployment_handle("OpenAIIngress", APP)
+        result: dict[str, Any] = handle.model_info.remote().result(timeout_s=30)
         return result
 
     def wait_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:
