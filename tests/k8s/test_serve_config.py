@@ -111,3 +111,14 @@ def test_api_key_comes_from_a_secret_never_the_serve_config() -> None:
     for _, template in pod_templates(service):
         assert container_env(template)["RAYTP_API_KEY"] == {"secretKeyRef": {"name": "raytp-api-key", "key": "key"}}
     assert not of_kind(objs, "Secret")  # the chart refers to the Secret; it never holds the key
+
+
+def test_split_ingress_reaches_build_app_with_its_ingress_replicas() -> None:
+    """By default the model replicas serve HTTP (no ingress_replicas arg); splitIngress adds LLMServer."""
+    assert "ingress_replicas" not in serve_config(render({}))["applications"][0]["args"]
+    config = serve_config(render({"serving": {"splitIngress": True, "ingressReplicas": 2, "numReplicas": 3}}))
+    args = config["applications"][0]["args"]
+    assert (args["split_ingress"], args["ingress_replicas"]) == (True, 2)
+    deployments = _build(config)["deployments"]
+    assert deployments["OpenAIIngress"]["num_replicas"] == 2 and not deployments["OpenAIIngress"]["binds_engine"]
+    assert deployments["LLMServer"]["num_replicas"] == 3 and deployments["LLMServer"]["binds_engine"]
