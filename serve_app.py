@@ -148,12 +148,6 @@ class ModelReplica:
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
 
-    @classmethod
-    async def start(
-        cls, engine_config: EngineConfig, max_waiting_requests: int | None, served_model_name: str | None
-    ) -> "ModelReplica":
-        return cls(*await _start_engine(engine_config, served_model_name), max_waiting_requests)
-
     @property
     def tokenizer(self) -> Any:
         return self._engine.engine.tokenizer
@@ -269,7 +263,8 @@ class OpenAIIngress:
         self._local: ModelReplica | None = None
         self.replica: ModelReplicaClient
         if isinstance(engine, EngineSettings):
-            self._local = await ModelReplica.start(engine.config, engine.max_waiting_requests, engine.served_model_name)
+            started = await _start_engine(engine.config, engine.served_model_name)
+            self._local = ModelReplica(*started, engine.max_waiting_requests)
             self.replica = self._local
             tokenizer = self._local.tokenizer  # the engine's own: one copy per process
         else:

@@ -114,8 +114,13 @@ def test_api_key_comes_from_a_secret_never_the_serve_config() -> None:
 
 
 def test_split_ingress_reaches_build_app_with_its_ingress_replicas() -> None:
-    """By default the model replicas serve HTTP (no ingress_replicas arg); splitIngress adds LLMServer."""
-    assert "ingress_replicas" not in serve_config(render({}))["applications"][0]["args"]
+    """By default the model replicas serve HTTP (one deployment, no ingress_replicas arg); splitIngress
+    puts LLMServer replicas behind the ingress."""
+    default = serve_config(render({"serving": {"numReplicas": 3}}))
+    assert "ingress_replicas" not in default["applications"][0]["args"]
+    assert {name: (d["num_replicas"], d["binds_engine"]) for name, d in _build(default)["deployments"].items()} == {
+        "OpenAIIngress": (3, True)
+    }
     config = serve_config(render({"serving": {"splitIngress": True, "ingressReplicas": 2, "numReplicas": 3}}))
     args = config["applications"][0]["args"]
     assert (args["split_ingress"], args["ingress_replicas"]) == (True, 2)

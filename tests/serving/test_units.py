@@ -36,25 +36,6 @@ def test_serve_args_parsing() -> None:
     assert ServeArgs.from_dict({"split_ingress": True, "ingress_replicas": 2}).ingress_replicas == 2
 
 
-def test_the_model_replicas_serve_http_unless_split() -> None:
-    """One deployment (the ingress hosts its engine) by default; `split_ingress` adds LLMServer behind it."""
-
-    def deployments(args: dict[str, object]) -> dict[str, int | None]:
-        app = build_app(args)
-        ingress = app._bound_deployment  # Serve's bound graph: the ingress, its init args
-        found = {ingress.name: ingress._deployment_config.num_replicas}
-        for arg in ingress.init_args:
-            if hasattr(arg, "_bound_deployment"):
-                found[arg._bound_deployment.name] = arg._bound_deployment._deployment_config.num_replicas
-        return found
-
-    assert deployments({"num_replicas": 3}) == {"OpenAIIngress": 3}
-    assert deployments({"num_replicas": 3, "split_ingress": True, "ingress_replicas": 2}) == {
-        "OpenAIIngress": 2,
-        "LLMServer": 3,
-    }
-
-
 def test_example_serve_config_is_valid() -> None:
     from ray.serve.schema import ServeDeploySchema
 
