@@ -304,8 +304,8 @@ torch.save(cpu_gemm.panel_linear(x, cpu_gemm.pack_panels(weight), 200, None), sy
 
 
 def test_panel_linear_rows_do_not_depend_on_the_batch(tmp_path: Path) -> None:
-    """A row's output has the same bits whatever rows share its call (every element is one FMA chain over
-    k in order), and the AVX-512 and AVX2 paths agree bit for bit: the batch jobs' re-runs rely on it."""
+    """A row's output has the same bits whatever rows share its call and however many threads split it
+    (every element is one FMA chain over k in order), and the AVX-512 and AVX2 paths agree bit for bit: the batch jobs' re-runs rely on it."""
     from model_exec.layers import cpu_gemm
 
     gen = torch.Generator().manual_seed(11)
@@ -314,6 +314,12 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(tmp_path: Path) -> None:
         pytest.skip("the panel kernel needs the C++ kernels built with AVX2")
     panels = cpu_gemm.pack_panels(weight)
     whole = cpu_gemm.panel_linear(x, panels, 200, None)
+    threads = torch.get_num_threads()
+    try:  # threads take work items as they come (whichever thread computes an item, the same bits)
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_gemm.panel_linear(x, panels, 200, None), whole)
+    finally:
+        torch.set_num_threads(threads)
     for rows in [*range(1, 30), 96, 97, 131]:
         assert torch.equal(cpu_gemm.panel_linear(x[:rows], panels, 200, None), whole[:rows]), rows
         assert torch.equal(cpu_gemm.panel_linear(x[-rows:], panels, 200, None), whole[-rows:]), rows
