@@ -13,8 +13,9 @@ request generates exactly what it asked for), greedy. Requests arrive as a Poiss
 `--baseline vllm` starts `raytp serve` and vLLM's OpenAI server as subprocesses on the same fp32
 safetensors directory with the same 4 GiB KV budget, then measures them in interleaved rounds (raytp,
 vLLM, raytp, vLLM, ...), each round a fresh request set (no prefix cache helps) with the same arrival
-times for both. Reports completed req/s, TTFT and ITL (gaps between streamed chunks of a request)
-p50/p99 per engine (medians over rounds), peak memory of each server's process tree, and the ratios.
+times for both, and the other server paused (SIGSTOP) meanwhile. Reports completed req/s, TTFT and
+ITL (gaps between streamed chunks of a request) p50/p99 per engine (medians over rounds), peak memory
+of each server's process tree, and the ratios.
 
 `--find-max-rate` searches each server's highest sustained request rate: doubling from
 `--start-rate` until a rate is not sustained, then bisecting `--search-steps` times; each probe
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import statistics
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +95,13 @@ def rate_search(start: float, limit: float, steps: int) -> RateSearch:
     return good
 
 
-def find_max_rates(args: argparse.Namespace, servers: dict[str, str]) -> dict[str, float]:
-    """Each server's highest sustained rate; the searches take turns, one probe each per turn."""
+def find_max_rates(
+    args: argparse.Namespace,
+    servers: dict[str, str],
+    running: Callable[[str], AbstractContextManager[None]] = lambda _name: contextlib.nullcontext(),
+) -> dict[str, float]:
+    """Each server's highest sustained rate; the searches take turns, one probe each per turn, each probe
+    inside `running(name)` (side by side: that server resumed, the other paused)."""
     searches = {name: rate_search(args.start_rate, args.max_rate, args.search_steps) for name in servers}
     next_rate = {name: next(s) for name, s in searches.items()}
     found: dict[str, float] = {}
@@ -102,7 +110,8 @@ def find_max_rates(args: argparse.Namespace, servers: dict[str, str]) -> dict[st
         probe += 1
         for name, rate in list(next_rate.items()):
             n = max(args.num_prompts, math.ceil(rate * args.probe_seconds))
-            summary = measure(args, servers[name], workload(args, n, 1000 + probe), rate)
+            with running(name):
+                summary = measure(args, servers[name], workload(args, n, 1000 + probe), rate)
             ok = summary["sustained"]
             print(
                 f"probe {probe} {name:>5} @ {rate:6.2f} req/s ({n} req): {'sustained' if ok else 'NOT sustained'}; "
@@ -173,8 +182,11 @@ def run_against_vllm(args: argparse.Namespace) -> None:
         for srv in (raytp, vllm):
             print(f"{srv.name} ready after {srv.wait_ready():.0f} s at {srv.base_url} (log: {logs / srv.name}.log)")
         urls = {"raytp": raytp.base_url, "vllm": vllm.base_url}
+        servers = {"raytp": raytp, "vllm": vllm}
+        for srv in (raytp, vllm):
+            srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
         if args.find_max_rate:
-            found = find_max_rates(args, urls)
+            found = find_max_rates(args, urls, lambda name: servers[name].running())
             print(f"highest sustained rate: raytp {found['raytp']:.2f} req/s, vllm {found['vllm']:.2f} req/s")
             if found["vllm"]:
                 print(f"raytp / vllm: {found['raytp'] / found['vllm']:.2f}x")
@@ -183,7 +195,8 @@ def run_against_vllm(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             work = workload(args, args.num_prompts, r)
             for name, url in urls.items():
-                s = measure(args, url, work, args.request_rate)
+                with servers[name].running():
+                    s = measure(args, url, work, args.request_rate)
                 summaries[name].append(s)
                 print(
                     f"round {r + 1} {name:>5}: {s['request_throughput']:.2f} req/s, "

@@ -70,9 +70,8 @@ class VllmOffline:
     Between its own calls vLLM is stopped (SIGSTOP to its process group, SIGCONT for the next call),
     so nothing it does while idle (its engine core and API processes poll their queues) can take CPU
     from raytp's rounds on a 2-core machine; raytp's engine runs in this process and is idle between
-    its calls. vLLM's own timing starts after it is resumed. (The serving benchmark does not do this:
-    raytp's server is a Ray cluster, whose daemons time each other out when stopped, and stopping
-    only one side would favour it.)
+    its calls. vLLM's own timing starts after it is resumed. (The serving benchmark pauses each
+    server's whole tree likewise: benchmarks/servers.py.)
     """
 
     def __init__(self, model_dir: str, log: IO[bytes] | None = None, seed: int = 0) -> None:

@@ -305,7 +305,8 @@ torch.save(cpu_gemm.panel_linear(x, cpu_gemm.pack_panels(weight), 200, None), sy
 
 def test_panel_linear_rows_do_not_depend_on_the_batch(tmp_path: Path) -> None:
     """A row's output has the same bits whatever rows share its call and however many threads split it
-    (every element is one FMA chain over k in order), and the AVX-512 and AVX2 paths agree bit for bit: the batch jobs' re-runs rely on it."""
+    (every element is one FMA chain over k in order), and the AVX-512 and AVX2 paths agree bit for bit:
+    the batch jobs' re-runs rely on it."""
     from model_exec.layers import cpu_gemm
 
     gen = torch.Generator().manual_seed(11)
