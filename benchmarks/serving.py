@@ -181,9 +181,9 @@ def run_against_vllm(args: argparse.Namespace) -> None:
     try:
         for srv in (raytp, vllm):
             print(f"{srv.name} ready after {srv.wait_ready():.0f} s at {srv.base_url} (log: {logs / srv.name}.log)")
-        urls = {"raytp": raytp.base_url, "vllm": vllm.base_url}
         servers = {"raytp": raytp, "vllm": vllm}
-        for srv in (raytp, vllm):
+        urls = {name: srv.base_url for name, srv in servers.items()}
+        for srv in servers.values():
             srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
         if args.find_max_rate:
             found = find_max_rates(args, urls, lambda name: servers[name].running())
