@@ -99,9 +99,11 @@ def find_max_rates(
     args: argparse.Namespace,
     servers: dict[str, str],
     running: Callable[[str], AbstractContextManager[None]] = lambda _name: contextlib.nullcontext(),
+    probes: list[dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """Each server's highest sustained rate; the searches take turns, one probe each per turn, each probe
-    inside `running(name)` (side by side: that server resumed, the other paused)."""
+    inside `running(name)` (side by side: that server resumed, the other paused). Each probe's summary,
+    with `server` and `probe` added, is appended to `probes` when given."""
     searches = {name: rate_search(args.start_rate, args.max_rate, args.search_steps) for name in servers}
     next_rate = {name: next(s) for name, s in searches.items()}
     found: dict[str, float] = {}
@@ -113,8 +115,11 @@ def find_max_rates(
             with running(name):
                 summary = measure(args, servers[name], workload(args, n, 1000 + probe), rate)
             ok = summary["sustained"]
+            if probes is not None:
+                probes.append({"server": name, "probe": probe, **summary})
             print(
-                f"probe {probe} {name:>5} @ {rate:6.2f} req/s ({n} req): {'sustained' if ok else 'NOT sustained'}; "
+                f"probe {probe} {name:>5} @ {rate:6.2f} req/s ({n} req): {'sustained' if ok else 'NOT sustained'} "
+                f"(served {summary['service_ratio']:.2f}x the arrivals); "
                 f"{summary['request_throughput']:.2f} req/s done, TTFT p50 {summary['ttft_p50_ms']:.0f} ms, "
                 f"ITL p50 {summary['itl_p50_ms']:.0f} ms, failed {summary['failed']}",
                 flush=True,
@@ -149,16 +154,17 @@ def run_alone(args: argparse.Namespace) -> None:
     base_url = (args.base_url or start_inprocess_server(args)).rstrip("/")
     try:
         if args.find_max_rate:
-            print(f"highest sustained rate: {find_max_rates(args, {'raytp': base_url})['raytp']:.2f} req/s")
+            probes: list[dict[str, Any]] = []
+            best = find_max_rates(args, {"raytp": base_url}, probes=probes)["raytp"]
+            print(f"highest sustained rate: {best:.2f} req/s")
+            _write_json(args, probes)
             return
         summaries = [
             measure(args, base_url, workload(args, args.num_prompts, r), args.request_rate) for r in range(args.rounds)
         ]
         for s in summaries:
             print_summary(s)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summaries[-1] if len(summaries) == 1 else summaries, f, indent=2)
+        _write_json(args, summaries[-1] if len(summaries) == 1 else summaries)
     finally:
         if args.base_url is None:
             import ray
@@ -186,10 +192,12 @@ def run_against_vllm(args: argparse.Namespace) -> None:
         for srv in servers.values():
             srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
         if args.find_max_rate:
-            found = find_max_rates(args, urls, lambda name: servers[name].running())
+            probes: list[dict[str, Any]] = []
+            found = find_max_rates(args, urls, lambda name: servers[name].running(), probes)
             print(f"highest sustained rate: raytp {found['raytp']:.2f} req/s, vllm {found['vllm']:.2f} req/s")
             if found["vllm"]:
                 print(f"raytp / vllm: {found['raytp'] / found['vllm']:.2f}x")
+            _write_json(args, probes)
             return
         summaries: dict[str, list[dict[str, Any]]] = {"raytp": [], "vllm": []}
         for r in range(args.rounds):
@@ -208,9 +216,7 @@ def run_against_vllm(args: argparse.Namespace) -> None:
             print(f"\n== {name} (median of {args.rounds} round(s))")
             print_summary(med[name])
         _print_table(args, med)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summaries, f, indent=2)
+        _write_json(args, summaries)
     finally:
         for srv in (raytp, vllm):
             tree, engine = srv.stop()
@@ -218,6 +224,13 @@ def run_against_vllm(args: argparse.Namespace) -> None:
                 f"{srv.name} server: {tree.describe()}"
                 + (f"; without Ray's daemons: {engine.describe()}" if engine else "")
             )
+
+
+def _write_json(args: argparse.Namespace, data: Any) -> None:
+    """`--json FILE`: the run's summaries (a search's: one per probe) as JSON."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 def _medians(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,7 +286,7 @@ def main() -> None:
     p.add_argument("--probe-seconds", type=float, default=60.0, help="arrival window of each search probe")
     p.add_argument("--raytp-arg", action="append", default=[], help="extra `raytp serve` flag (repeatable)")
     p.add_argument("--log-dir", default="/tmp/raytp-serving-bench", help="the servers' logs (with --baseline)")
-    p.add_argument("--json", default=None, help="also write the summaries to this file")
+    p.add_argument("--json", default=None, help="also write the summaries (of a search: every probe's) to this file")
     args = p.parse_args()
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.rounds is None:  # a comparison needs medians of >= 2 interleaved rounds

@@ -125,6 +125,7 @@ def summarize(results: list[Result], duration: float, rate: float) -> dict[str, 
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "prompt_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "service_ratio": service_ratio(results),
         "sustained": sustained(results),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
@@ -140,15 +141,16 @@ def summarize(results: list[Result], duration: float, rate: float) -> dict[str, 
     return summary
 
 
-def sustained(results: list[Result], min_ratio: float = 0.9) -> bool:
-    """Whether the server kept up with the arrivals: every request completed, and over the last two
-    thirds of the arrival window it finished (nearly) as many requests as had arrived one latency earlier.
+def service_ratio(results: list[Result]) -> float:
+    """How fast the server finished requests against how fast they arrived, once the pipeline had filled:
+    completions over the last two thirds of the arrival window over the arrivals one request latency
+    earlier (1.0: it kept pace; 0.0: the probe cannot show it, e.g. a latency as long as the probe).
 
     Once the first third has filled the pipeline, a server that keeps up finishes requests at the rate
     they arrive, one request latency L later; one that does not finishes them at its own, lower, rate
     while the backlog grows. So completions in [t, t_end] over arrivals in [t - L, t_end - L] (L: the
     median latency of the middle third's arrivals; the shift keeps Poisson clumps at the window's edges
-    from counting twice) estimates service rate / offered rate; below `min_ratio` it did not keep up.
+    from counting twice) estimates service rate / offered rate.
     Rejected: completed req/s over the whole run (its drain tail lowers it even when the server keeps
     up) and per-request latency growth (under continuous batching late arrivals slow early ones too).
     Probes must be long against the request latency (the `--probe-seconds` default: 60 s).
@@ -158,15 +160,22 @@ def sustained(results: list[Result], min_ratio: float = 0.9) -> bool:
     shifted arrival window would start before the first request; counts over those unequal windows
     once passed a server completing 3.5 req/s of 7.5 offered (L ~27 s).
     """
-    if len(results) < 3 or not all(r.ok for r in results):
-        return False
+    ok = [r for r in results if r.ok]
+    if len(ok) < 3:
+        return 0.0
     t0, t1 = min(r.sent for r in results), max(r.sent for r in results)
     third = (t1 - t0) / 3
-    middle = [r.latency for r in results if t0 + third <= r.sent <= t0 + 2 * third]
+    middle = [r.latency for r in ok if t0 + third <= r.sent <= t0 + 2 * third]
     lag = statistics.median(middle) if middle else 0.0
     start = t0 + max(third, lag)
     if start >= t1:  # latency as long as the probe: it cannot show keeping up
-        return False
+        return 0.0
     arrivals = sum(1 for r in results if start - lag <= r.sent <= t1 - lag)
-    completions = sum(1 for r in results if start <= r.sent + r.latency <= t1)
-    return arrivals > 0 and completions >= min_ratio * arrivals
+    completions = sum(1 for r in ok if start <= r.sent + r.latency <= t1)
+    return completions / arrivals if arrivals else 0.0
+
+
+def sustained(results: list[Result], min_ratio: float = 0.9) -> bool:
+    """Whether the server kept up with the arrivals: every request completed, and its `service_ratio`
+    is at least `min_ratio` (the 10% allows for Poisson noise in windows of a few dozen requests)."""
+    return len(results) >= 3 and all(r.ok for r in results) and service_ratio(results) >= min_ratio
