@@ -99,14 +99,14 @@ def find_max_rates(
     args: argparse.Namespace,
     servers: dict[str, str],
     running: Callable[[str], AbstractContextManager[None]] = lambda _name: contextlib.nullcontext(),
-    probes: list[dict[str, Any]] | None = None,
-) -> dict[str, float]:
-    """Each server's highest sustained rate; the searches take turns, one probe each per turn, each probe
-    inside `running(name)` (side by side: that server resumed, the other paused). Each probe's summary,
-    with `server` and `probe` added, is appended to `probes` when given."""
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Each server's highest sustained rate, and every probe's summary (with `server` and `probe` added);
+    the searches take turns, one probe each per turn, each probe inside `running(name)` (side by side:
+    that server resumed, the other paused)."""
     searches = {name: rate_search(args.start_rate, args.max_rate, args.search_steps) for name in servers}
     next_rate = {name: next(s) for name, s in searches.items()}
     found: dict[str, float] = {}
+    probes: list[dict[str, Any]] = []
     probe = 0
     while next_rate:
         probe += 1
@@ -115,8 +115,7 @@ def find_max_rates(
             with running(name):
                 summary = measure(args, servers[name], workload(args, n, 1000 + probe), rate)
             ok = summary["sustained"]
-            if probes is not None:
-                probes.append({"server": name, "probe": probe, **summary})
+            probes.append({"server": name, "probe": probe, **summary})
             print(
                 f"probe {probe} {name:>5} @ {rate:6.2f} req/s ({n} req): {'sustained' if ok else 'NOT sustained'} "
                 f"(served {summary['service_ratio']:.2f}x the arrivals); "
@@ -129,7 +128,7 @@ def find_max_rates(
             except StopIteration as done:
                 found[name] = done.value
                 del next_rate[name]
-    return found
+    return found, probes
 
 
 def start_inprocess_server(args: argparse.Namespace) -> str:
@@ -154,9 +153,8 @@ def run_alone(args: argparse.Namespace) -> None:
     base_url = (args.base_url or start_inprocess_server(args)).rstrip("/")
     try:
         if args.find_max_rate:
-            probes: list[dict[str, Any]] = []
-            best = find_max_rates(args, {"raytp": base_url}, probes=probes)["raytp"]
-            print(f"highest sustained rate: {best:.2f} req/s")
+            found, probes = find_max_rates(args, {"raytp": base_url})
+            print(f"highest sustained rate: {found['raytp']:.2f} req/s")
             _write_json(args, probes)
             return
         summaries = [
@@ -192,8 +190,7 @@ def run_against_vllm(args: argparse.Namespace) -> None:
         for srv in servers.values():
             srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
         if args.find_max_rate:
-            probes: list[dict[str, Any]] = []
-            found = find_max_rates(args, urls, lambda name: servers[name].running(), probes)
+            found, probes = find_max_rates(args, urls, lambda name: servers[name].running())
             print(f"highest sustained rate: raytp {found['raytp']:.2f} req/s, vllm {found['vllm']:.2f} req/s")
             if found["vllm"]:
                 print(f"raytp / vllm: {found['raytp'] / found['vllm']:.2f}x")

@@ -81,8 +81,8 @@ def test_the_rate_search_records_every_probe(monkeypatch: pytest.MonkeyPatch) ->
         vocab=1000,
         seed=0,
     )
-    probes: list[dict[str, object]] = []
-    assert serving.find_max_rates(args, {"a": "http://a"}, probes=probes) == {"a": 1.25}
+    found, probes = serving.find_max_rates(args, {"a": "http://a"})
+    assert found == {"a": 1.25}
     assert [p["request_throughput"] for p in probes] == [0.5, 1.0, 2.0, 1.5, 1.25, 1.375]
     assert [p["n"] for p in probes] == [5, 10, 20, 15, 13, 14]  # max(num_prompts, rate x probe_seconds)
     assert all(p["server"] == "a" for p in probes) and [p["probe"] for p in probes] == [1, 2, 3, 4, 5, 6]
