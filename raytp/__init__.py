@@ -15,6 +15,7 @@ from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from raytp.llm import LLM
 from scheduler.errors import RequestError
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -25,4 +26,5 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

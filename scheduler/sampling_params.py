@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.errors import RequestError
+from scheduler.structured_outputs import StructuredOutputsParams
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT32_MAX = (1 << 31) - 1
@@ -55,6 +56,9 @@ class SamplingParams:
     # With skip_special_tokens=False: False joins adjacent special tokens without the spaces some
     # decoders put between them (vLLM's meaning for fast tokenizers); True keeps the decoder's text.
     spaces_between_special_tokens: bool = True
+    # A grammar the output must follow (JSON schema, regex, choice, ...): each step the sampler may pick only
+    # tokens the sample's matcher allows, and the sample ends (stop) when the grammar is complete.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the dataclass stays hashable-ish and immutable.
@@ -108,6 +112,12 @@ class SamplingParams:
             if not _is_int(tok) or not 0 <= tok <= _INT64_MAX:
                 raise RequestError(f"logit_bias keys must be token ids, got {tok!r}.", "logit_bias")
             _finite_in("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "a map to values in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}.",
+                "structured_outputs",
+            )
         if self.best_of is not None and self.best_of > 1 and self.temperature == 0.0:
             # Greedy samples would all be identical; vLLM refuses this too.
             raise RequestError("best_of must be 1 when temperature is 0 (greedy sampling).", "best_of")
