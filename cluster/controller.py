@@ -84,6 +84,9 @@ class EngineLoop:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # The request waits here for its grammar (compiled on the grammar thread), not in the step.
+            await self.engine.structured.prepare(params.structured_outputs)
         queue = self._add(request_id, prompt_token_ids, params)
         finished = False
         try:

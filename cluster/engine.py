@@ -16,13 +16,14 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from cluster.config import EngineConfig
 from cluster.device import default_block_size, resolve_device
 from cluster.executor import Executor
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
+from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig
 from model_exec.source import load_tokenizer, read_model_config, resolve_model
@@ -133,6 +134,9 @@ class LLMEngine:
             max_prompt_tokens=self.block_manager.max_allocatable_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
         logger.info(
@@ -167,8 +171,12 @@ class LLMEngine:
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self._prompt_tokens(prompt)
         check_request(token_ids, params, self.limits)
+        # Compiles here unless cached: the serving loop awaits `structured.prepare` first, so only offline
+        # callers can wait here, and they have no step running.
+        spec = params.structured_outputs
+        constraint = self.structured.matcher(spec) if spec is not None else None
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        group = self.scheduler.add_request(request_id, text, token_ids, params, seed, arrival_time)
+        group = self.scheduler.add_request(request_id, text, token_ids, params, seed, arrival_time, constraint)
         self.output_processor.add_request(group)
         return group
 
@@ -218,7 +226,12 @@ class LLMEngine:
     # while its event loop adds and aborts requests: `execute` touches only the executor, never the
     # scheduler, so scheduler state only ever changes on the caller's own thread.
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        so = self.scheduler.schedule()
+        if so.structured_seq_ids:  # unconstrained steps pay nothing
+            # Every constraint the scheduler holds was made by self.structured, as a GrammarMatcher.
+            matchers = cast(list[GrammarMatcher], [self.scheduler.constraint_of(i) for i in so.structured_seq_ids])
+            so.grammar_bitmask = self.structured.fill_bitmask(matchers)
+        return so
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run a scheduled step on the workers (an empty step runs nothing)."""
@@ -248,4 +261,5 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

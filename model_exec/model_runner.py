@@ -118,9 +118,7 @@ class ModelRunner:
         num_tokens = int(query_start_loc[-1])
         row_of_token = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
         positions = (
-            torch.arange(num_tokens, dtype=torch.int32)
-            - query_start_loc[:-1][row_of_token]
-            + computed[row_of_token]
+            torch.arange(num_tokens, dtype=torch.int32) - query_start_loc[:-1][row_of_token] + computed[row_of_token]
         ).long()
         max_blocks = max(len(r.state.block_ids) for r in rows)
         block_tables = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
@@ -195,6 +193,11 @@ class ModelRunner:
             output_token_ids=[r.state.output_token_ids for r in rows],
             eos_token_ids=self.eos_token_ids,
         )
+        if so.grammar_bitmask is not None:
+            mask_row = {seq_id: j for j, seq_id in enumerate(so.structured_seq_ids)}
+            meta.grammar_rows = [i for i, r in enumerate(rows) if r.seq_id in mask_row]
+            picks = [mask_row[rows[i].seq_id] for i in meta.grammar_rows]
+            meta.grammar_bitmask = torch.from_numpy(so.grammar_bitmask[picks])
         return self.sampler(logits, meta)
 
 

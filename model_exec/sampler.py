@@ -1,7 +1,7 @@
 """The batched sampler: one step's logits for the rows that sample -> one `SeqSample` per row.
 
 Processing order (HF's warper order, vLLM's field semantics):
-    logit_bias -> min_tokens mask -> penalties (repetition, frequency, presence)
+    grammar mask (structured outputs) -> logit_bias -> min_tokens mask -> penalties (repetition, frequency, presence)
     -> greedy rows: argmax
     -> other rows: temperature -> top-k -> top-p -> min-p -> draw
 Reported logprobs (and `cumulative_logprob_deltas`) are log_softmax of the RAW logits, before any of
@@ -75,6 +75,10 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]  # for the repetition penalty
     output_token_ids: list[list[int]]  # for repetition, frequency and presence penalties
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids, masked while output_len < min_tokens
+    # Structured outputs: rows under a grammar, and for each its packed allowed-token bitmask
+    # (int32 [len(grammar_rows), ceil(V / 32)], bit t % 32 of word t // 32 = token t; scheduler.outputs).
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -172,9 +176,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     if sum(lengths) == 0:
         return counts
     ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(
-        torch.arange(len(token_lists), device=device), torch.tensor(lengths, device=device)
-    )
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), torch.tensor(lengths, device=device))
     counts.view(-1).scatter_add_(0, rows * vocab_size + ids, torch.ones(ids.shape[0], device=device))
     return counts
 
@@ -190,9 +192,7 @@ def _apply_penalties(x: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -
     freq = [meta.params[i].frequency_penalty for i in rows]
     pres = [meta.params[i].presence_penalty for i in rows]
     if any(r != 1.0 for r in rep):
-        seen = (out_counts > 0) | (
-            _token_counts([meta.prompt_token_ids[i] for i in rows], vocab_size, device) > 0
-        )
+        seen = (out_counts > 0) | (_token_counts([meta.prompt_token_ids[i] for i in rows], vocab_size, device) > 0)
         rep_t = torch.tensor(rep, device=device).unsqueeze(1)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep_t, sub * rep_t), sub)
     if any(f != 0.0 for f in freq):
@@ -202,12 +202,27 @@ def _apply_penalties(x: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -
     x[rows_t] = sub
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size] from a packed int32 bitmask; tokens past the mask's width are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if bits.shape[1] < vocab_size:
+        bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
+
+
 def _process_logits(logits: torch.Tensor, meta: SamplingMetadata, plan: _Plan) -> torch.Tensor:
-    """logit_bias, min_tokens, penalties. Never mutates logits; returns them as-is when no row needs any."""
-    if not (plan.bias_rows or plan.masked_rows or plan.penalty_rows):
+    """Grammar masks, logit_bias, min_tokens, penalties. Never mutates logits; returns them as-is when no
+    row needs any."""
+    if not (meta.grammar_rows or plan.bias_rows or plan.masked_rows or plan.penalty_rows):
         return logits
     device = logits.device
     x = logits.clone()
+    if meta.grammar_rows:
+        assert meta.grammar_bitmask is not None
+        rows_t = torch.tensor(meta.grammar_rows, device=device)
+        allowed = allowed_tokens(meta.grammar_bitmask.to(device), x.shape[1])
+        x[rows_t] = x[rows_t].masked_fill_(~allowed, -torch.inf)
     if plan.bias_rows:
         x.index_put_(
             (torch.tensor(plan.bias_rows, device=device), torch.tensor(plan.bias_tokens, device=device)),
@@ -215,9 +230,7 @@ def _process_logits(logits: torch.Tensor, meta: SamplingMetadata, plan: _Plan) -
             accumulate=True,
         )
     if plan.masked_rows:
-        x[
-            torch.tensor(plan.masked_rows, device=device), torch.tensor(plan.masked_tokens, device=device)
-        ] = -torch.inf
+        x[torch.tensor(plan.masked_rows, device=device), torch.tensor(plan.masked_tokens, device=device)] = -torch.inf
     if plan.penalty_rows:
         _apply_penalties(x, meta, plan.penalty_rows)
     return x
@@ -433,9 +446,7 @@ def _fill_logprobs(
         top_vals, top_ids = vals_t.tolist(), ids_t.tolist()
     # Every draw of a logprob row, with the lp row it reads.
     draws = [d for i in rows for d in range(offsets[i], offsets[i + 1])]
-    lp_rows_t = torch.tensor(
-        [j for j, i in enumerate(rows) for _ in range(offsets[i], offsets[i + 1])], device=device
-    )
+    lp_rows_t = torch.tensor([j for j, i in enumerate(rows) for _ in range(offsets[i], offsets[i + 1])], device=device)
     tok_lp = torch.tensor([deltas[d] for d in draws], dtype=lp.dtype, device=device)
     ranks = ((lp[lp_rows_t] > tok_lp.unsqueeze(1)).sum(dim=-1) + 1).tolist()
     pos = 0

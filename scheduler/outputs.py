@@ -4,13 +4,15 @@ The controller sends a `SchedulerOutput` to every tensor-parallel rank; rank 0 a
 with a `ModelRunnerOutput`. Workers keep per-sequence state between steps, so a
 sequence travels in full (`NewSeqData`) only when it (re)enters the running batch
 and as a delta (`CachedSeqData`) afterwards: per-step traffic grows with the number
-of changes, not with the total context. Plain Python values only (no tensors), so the
-same objects pickle cheaply through Ray and are testable without torch.
+of changes, not with the total context. Plain Python values and numpy arrays only (no tensors), so
+the same objects pickle cheaply through Ray and are testable without torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from scheduler.sampling_params import SamplingParams
 
@@ -53,18 +55,17 @@ class SchedulerOutput:
     cached_seqs: list[CachedSeqData] = field(default_factory=list)  # seqs the workers already know (deltas)
     finished_seq_ids: list[int] = field(default_factory=list)  # seqs to forget (finished, aborted, preempted)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), first
-    blocks_to_swap_out: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (device block, cpu block), first
-    blocks_to_copy: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (src, dst) copy-on-write, before forward
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), first
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write, before forward
     # seqs whose scheduled tokens reach the end of their known tokens: rank 0 samples `num_samples` tokens for each
-    num_samples: dict[int, int] = field(
-        default_factory=dict
-    )  # seq_id -> samples to draw (best_of at the fork)
+    num_samples: dict[int, int] = field(default_factory=dict)  # seq_id -> samples to draw (best_of at the fork)
     # seqs whose prompt logprobs are wanted for the positions run this step
     prompt_logprobs_seq_ids: list[int] = field(default_factory=list)
+    # Structured outputs: the sampling seqs under a grammar (filled by the scheduler), and row i of
+    # `grammar_bitmask` (filled by the controller after scheduling) packs the tokens seq i may sample:
+    # bit t % 32 of word t // 32 set = token t allowed. Rank 0 masks the logits with it before sampling.
+    structured_seq_ids: list[int] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None  # int32 [len(structured_seq_ids), ceil(vocab / 32)]
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -90,9 +91,7 @@ class SeqSample:
 class ModelRunnerOutput:
     """Rank 0's answer to a SchedulerOutput."""
 
-    samples: dict[int, SeqSample] = field(
-        default_factory=dict
-    )  # seq_id -> sample, for every seq in num_samples
+    samples: dict[int, SeqSample] = field(default_factory=dict)  # seq_id -> sample, for every seq in num_samples
     # seq_id -> logprobs for the prompt positions computed this step, in order. Position p's entry scores
     # prompt token p given tokens < p; the very first prompt token has no entry (vLLM returns None for it).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kv import AllocStatus, BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.constraint import TokenConstraint
 from scheduler.outputs import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -76,10 +77,18 @@ class Scheduler:
         sampling_params: SamplingParams,
         seed: int,
         arrival_time: float | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> SequenceGroup:
+        """`constraint`: the first sample's grammar matcher, in its start state (structured outputs)."""
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        seq = Sequence(seq_id=self.new_seq_id(), prompt_token_ids=prompt_token_ids, seed=seed, sample_index=0)
+        seq = Sequence(
+            seq_id=self.new_seq_id(),
+            prompt_token_ids=prompt_token_ids,
+            seed=seed,
+            sample_index=0,
+            constraint=constraint,
+        )
         group = SequenceGroup(
             request_id=request_id,
             prompt=prompt,
@@ -368,6 +377,8 @@ class Scheduler:
             seq.block_table_on_workers = table
             if seq.num_computed_tokens + n == seq.num_tokens:
                 out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
+                if seq.constraint is not None:
+                    out.structured_seq_ids.append(seq.seq_id)
             if group.wants_prompt_logprobs and seq is group.seqs[0]:
                 out.prompt_logprobs_seq_ids.append(seq.seq_id)
 
@@ -427,6 +438,8 @@ class Scheduler:
                 status=SequenceStatus.RUNNING,
                 num_computed_tokens=parent.num_computed_tokens,
                 cumulative_logprob=parent.cumulative_logprob,
+                # Forked before the parent accepts this step's token: every sample drew from the same mask.
+                constraint=parent.constraint.fork() if parent.constraint is not None else None,
             )
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self._seq_owner[child.seq_id] = group
@@ -434,10 +447,22 @@ class Scheduler:
             children.append(child)
         return children
 
+    def constraint_of(self, seq_id: int) -> TokenConstraint | None:
+        """The grammar matcher of a live sequence (for the controller to fill its token mask)."""
+        group = self._seq_owner.get(seq_id)
+        seq = next((s for s in group.seqs if s.seq_id == seq_id), None) if group is not None else None
+        return seq.constraint if seq is not None else None
+
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         params = group.sampling_params
         token = seq.output_token_ids[-1]
         num_out = len(seq.output_token_ids)
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            # The mask allowed only tokens the grammar accepts, so this is a broken matcher (e.g. a resource
+            # limit hit mid-way): end this sample with the reason instead of emitting text that breaks it.
+            group.error = f"structured output failed: {seq.constraint.error}"
+            self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+            return
         if num_out >= params.min_tokens:
             if token in params.stop_token_ids:
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=token)
@@ -445,6 +470,9 @@ class Scheduler:
             if not params.ignore_eos and token in self.eos_token_ids:
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
                 return
+        if seq.constraint is not None and seq.constraint.is_terminated:
+            self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)  # the grammar is complete: nothing may follow
+            return
         max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len
         if num_out >= max_tokens or seq.num_tokens >= self.config.max_model_len:
             self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler.constraint import TokenConstraint
 from scheduler.outputs import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 
@@ -64,6 +65,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # The sample's grammar matcher (structured outputs), advanced on every appended token; None: free text.
+    constraint: TokenConstraint | None = None
     # What the workers hold of this sequence, so the scheduler sends them deltas (nothing to do with what
     # users were sent: that is the output processor's). Reset to 0 / [] when the workers must forget it.
     num_tokens_on_workers: int = 0

@@ -38,9 +38,7 @@ class StructuredOutputsParams:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             what = ", ".join(set_kinds) if set_kinds else "none"
-            raise RequestError(
-                f"structured outputs need exactly one of {', '.join(KINDS)}; got {what}.", self.field
-            )
+            raise RequestError(f"structured outputs need exactly one of {', '.join(KINDS)}; got {what}.", self.field)
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise RequestError("choice must be a non-empty list of strings.", self.field)

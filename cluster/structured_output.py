@@ -1,0 +1,188 @@
+"""Structured outputs on the controller: grammars compiled off the engine loop, one matcher per sample, and
+each step's token bitmask for the constrained rows.
+
+Decision (measured, `python -m benchmarks.structured_output --compare-libraries`): the grammar library is
+llguidance, not xgrammar. Both compile a 5-property JSON schema on the SmolLM2 tokenizer in milliseconds
+and mask a token in microseconds, but xgrammar requires torch (and triton), and llguidance needs nothing:
+the matchers can then live here, in the torch-free controller, as vLLM keeps them in its scheduler process.
+Matcher state then never crosses a process boundary: preemption (recompute or swap), chunked prefill and
+prefix-cache hits leave it as it is, and TP ranks receive only the step's bitmask (rank 0 applies it).
+
+Compilation: a spec compiles once into a template matcher (grammar built, lexer ready), cached by the
+spec's canonical key; each sample gets a deep copy. Compiles run on a thread of their own (llguidance
+drops the GIL while it builds), so the engine loop never waits for one: the serving path awaits `prepare`
+before it adds the request, and a spec that does not compile is a RequestError naming the request field.
+Resource use is bounded by llguidance's parser limits (grammar size, lexer fuel per step), so a hostile
+schema fails to compile or fails its one request; it cannot stall the step for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_np
+import numpy as np
+
+from scheduler.errors import RequestError
+from scheduler.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256  # compiled grammars kept (LRU); a template matcher is a few hundred KiB at most
+# Hostile specs meet llguidance's default parser limits (measured on SmolLM2's tokenizer): a 100k-value enum
+# exceeds the initial lexer fuel and is refused in ~0.3 s, 200 levels of nested objects hit the schema
+# parser's recursion limit in ~2 ms; per-step lexer fuel and Earley items cap each mask at a few ms.
+
+
+def to_grammar(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a spec (JSON text). Raises RequestError for a spec it cannot express."""
+    try:
+        if spec.json is not None or spec.json_object:
+            schema: Any = spec.json if spec.json is not None else {"type": "object"}
+            if spec.disable_additional_properties and isinstance(schema, dict):
+                schema = _no_additional_properties(schema)
+            options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
+            if spec.disable_any_whitespace:
+                # One compact form, as json.dumps(..., separators=(",", ":")) writes it.
+                options.update(item_separator=",", key_separator=":")
+            else:
+                options.update(item_separator=", ", key_separator=": ")
+            if spec.whitespace_pattern is not None:
+                options["whitespace_pattern"] = spec.whitespace_pattern
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
+        if spec.regex is not None:
+            return str(llguidance.LLMatcher.grammar_from_regex(spec.regex))
+        if spec.choice is not None:
+            return llguidance.grammar_from("choice", list(spec.choice))  # type: ignore[arg-type]
+        if spec.grammar is not None:
+            return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
+        assert isinstance(spec.structural_tag, dict)  # StructuredOutputsParams parsed any JSON text
+        return _structural_tag_grammar(spec.structural_tag)
+    except (ValueError, TypeError, KeyError, AssertionError) as e:
+        raise RequestError(f"{spec.field}: the {spec.kind} constraint cannot be compiled: {e}", spec.field) from None
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that does not say otherwise."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def _structural_tag_grammar(tag: dict[str, Any]) -> str:
+    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}): free text in
+    which every region that starts with a trigger must be one of the structures."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise ValueError("a structural tag needs non-empty 'structures' and 'triggers' lists")
+    tags = []
+    for s in structures:
+        trigger = next((t for t in triggers if isinstance(t, str) and s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structure begin {s['begin']!r} starts with none of the triggers {triggers}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
+class GrammarMatcher:
+    """One sample's matcher (scheduler.constraint.TokenConstraint over an llguidance LLMatcher)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self.matcher.consume_token(token_id))
+
+    def fork(self) -> GrammarMatcher:
+        return GrammarMatcher(self.matcher.deep_copy())
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        """`vocab_size`: the width of the model's logits (masks cover it; ids past the tokenizer's are never
+        allowed). The llguidance tokenizer is built on first use (~0.3 s), on the compile thread."""
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-grammar")
+        self._executor: llguidance.LLExecutor | None = None
+        self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is reached from the event loop and from offline callers
+
+    # ------------------------------------------------------------------ compile
+    def compile(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
+        """The spec's template matcher, compiling on the grammar thread unless cached. A failed compile is
+        not cached (its future raises RequestError)."""
+        key = spec.key
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[key] = fut
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return fut
+
+    async def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Wait (without blocking the event loop) until the spec is compiled; raises RequestError if it fails."""
+        await asyncio.wrap_future(self.compile(spec))
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher for one request (blocks until compiled: offline callers; the server awaits
+        `prepare` first, so this finds the compiled grammar)."""
+        return GrammarMatcher(self.compile(spec).result().deep_copy())
+
+    def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        grammar = to_grammar(spec)
+        matcher = llguidance.LLMatcher(
+            self._tokenizer(),
+            grammar,
+            log_level=0,
+            limits=llguidance.LLParserLimits(),
+        )
+        if matcher.is_error():
+            raise RequestError(
+                f"{spec.field}: the {spec.kind} constraint cannot be compiled: {matcher.get_error()}", spec.field
+            )
+        return matcher
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:  # only the compile thread builds it
+            backend = self._hf_tokenizer.backend_tokenizer
+            self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
+        return self._ll_tokenizer
+
+    # ------------------------------------------------------------------ each step
+    def fill_bitmask(self, matchers: list[GrammarMatcher]) -> np.ndarray:
+        """int32 [len(matchers), ceil(vocab / 32)]: row i packs the tokens matcher i allows next (the
+        rows computed in parallel by llguidance's own threads)."""
+        bitmask = llg_np.allocate_token_bitmask(len(matchers), self.vocab_size)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llg_np.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
