@@ -97,9 +97,7 @@ CONFIGS = [
     SamplingParams(temperature=0.7, top_p=0.8),
     SamplingParams(temperature=1.0, min_p=0.2),
     SamplingParams(temperature=1.3, top_k=4, top_p=0.9, min_p=0.15),
-    SamplingParams(
-        temperature=0.9, top_k=5, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2
-    ),
+    SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2),
     SamplingParams(temperature=1.0, logit_bias={2: 2.5}, min_tokens=2, stop_token_ids=(3,)),
 ]
 CONFIG_IDS = ["t1", "t0.5", "t2", "top_k", "top_p", "min_p", "k+p+min_p", "penalties", "bias+min_tokens"]
@@ -319,9 +317,7 @@ def test_large_batch_spanning_cpu_chunks_matches_rows_alone() -> None:
     position=st.integers(0, 6),
     logits_seed=st.integers(0, 1000),
 )
-def test_row_alone_equals_row_in_any_batch(
-    target: int, others: list[int], position: int, logits_seed: int
-) -> None:
+def test_row_alone_equals_row_in_any_batch(target: int, others: list[int], position: int, logits_seed: int) -> None:
     rows, logits = mixed_rows(), mixed_logits(8, seed=logits_seed)
     alone = run(logits[target : target + 1], [rows[target]])[0]
     order = list(others)
@@ -360,9 +356,7 @@ def test_num_samples_draws_the_children_streams() -> None:
 
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     logits = mixed_logits(3, vocab=500, seed=4)
-    params = SamplingParams(
-        temperature=0.6, top_k=10, repetition_penalty=1.5, logprobs=5, logit_bias={7: 4.0}
-    )
+    params = SamplingParams(temperature=0.6, top_k=10, repetition_penalty=1.5, logprobs=5, logit_bias={7: 4.0})
     rows = [Row(params, seed=s, prompt=[1, 2, 3], output=[4, 4]) for s in range(3)]
     samples = run(logits, rows)
     raw = torch.log_softmax(logits, -1)
@@ -406,3 +400,51 @@ def test_empty_batch_and_bad_metadata() -> None:
     meta.seeds.append(1)
     with pytest.raises(ValueError, match="one entry per row"):
         Sampler()(torch.zeros(1, 10), meta)
+
+
+# --- structured outputs: the grammar bitmask -----------------------------------------------------------
+
+
+def pack(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """The packed int32 bitmask (scheduler.outputs.SchedulerOutput.grammar_bitmask) of allowed token lists."""
+    words = (vocab + 31) // 32
+    mask = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for r, toks in enumerate(allowed):
+        for t in toks:
+            mask[r, t // 32] |= 1 << (t % 32)
+    return ((mask + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)  # as int32 bits (bit 31 is the sign)
+
+
+def test_allowed_tokens_unpacks_every_bit_including_the_sign_bit() -> None:
+    from model_exec.sampler import allowed_tokens
+
+    vocab = 70
+    rows = [[0, 31, 32, 63, 69], [5]]
+    got = allowed_tokens(pack(rows, vocab), vocab)
+    assert got.shape == (2, vocab)
+    assert [torch.nonzero(r).flatten().tolist() for r in got] == rows
+
+
+def test_grammar_mask_restricts_greedy_and_sampled_rows_only_where_given() -> None:
+    vocab = 64
+    logits = mixed_logits(3, vocab, seed=5)
+    rows = [Row(SamplingParams(temperature=0.0)), Row(SamplingParams(temperature=1.0), seed=3), Row(SamplingParams())]
+    allowed = [[7, 9], [1, 2, 3]]
+    meta = meta_of(rows)
+    meta.grammar_rows = [0, 1]
+    meta.grammar_bitmask = pack(allowed, vocab)
+    free = Sampler()(logits, meta_of(rows))
+    for _ in range(20):
+        rows[1].seed += 1
+        rows[2].seed += 1
+        meta.seeds = [r.seed for r in rows]
+        out = Sampler()(logits, meta)
+        assert out[0].token_ids[0] == max(allowed[0], key=lambda t: logits[0, t].item())  # greedy among allowed
+        assert out[1].token_ids[0] in allowed[1]
+    # An unconstrained row beside constrained ones draws what it draws alone (same seed, same token).
+    meta.seeds = [0, 3, 0]
+    assert Sampler()(logits, meta)[2].token_ids == free[2].token_ids
+    # The reported logprobs stay those of the raw logits (vLLM's default), mask or not.
+    assert out[0].cumulative_logprob_deltas[0] == pytest.approx(
+        torch.log_softmax(logits[0], -1)[out[0].token_ids[0]].item()
+    )
