@@ -35,6 +35,11 @@ from scheduler.structured_outputs import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU); a template matcher is a few hundred KiB at most
+# Optional whitespace between JSON tokens, unless the request gives `whitespace_pattern`: a line break and
+# indentation fit, but not unbounded runs. Decision: llguidance's default (`[ \t\n\r]+`) let 1 of 200
+# seeded samples at temperature 1.0 on SmolLM2 spend all its tokens on whitespace inside an object
+# (tests/cluster/test_structured_output.py); a bound keeps every sample finishing, as Outlines bounds it.
+_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 # Hostile specs meet llguidance's default parser limits (measured on SmolLM2's tokenizer): a 100k-value enum
 # exceeds the initial lexer fuel and is refused in ~0.3 s, 200 levels of nested objects hit the schema
 # parser's recursion limit in ~2 ms; per-step lexer fuel and Earley items cap each mask at a few ms.
@@ -47,14 +52,14 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
             schema: Any = spec.json if spec.json is not None else {"type": "object"}
             if spec.disable_additional_properties and isinstance(schema, dict):
                 schema = _no_additional_properties(schema)
-            options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
-            if spec.disable_any_whitespace:
-                # One compact form, as json.dumps(..., separators=(",", ":")) writes it.
-                options.update(item_separator=",", key_separator=":")
-            else:
-                options.update(item_separator=", ", key_separator=": ")
-            if spec.whitespace_pattern is not None:
-                options["whitespace_pattern"] = spec.whitespace_pattern
+            # Without whitespace: one compact form, as json.dumps(..., separators=(",", ":")) writes it.
+            options: dict[str, Any] = {
+                "whitespace_flexible": not spec.disable_any_whitespace,
+                "item_separator": ",",
+                "key_separator": ":",
+            }
+            if not spec.disable_any_whitespace:
+                options["whitespace_pattern"] = spec.whitespace_pattern or _JSON_WHITESPACE
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
         if spec.regex is not None:
             return str(llguidance.LLMatcher.grammar_from_regex(spec.regex))

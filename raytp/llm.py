@@ -54,19 +54,30 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template.
+
+        `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `enable_thinking`) reach the template,
+        as in vLLM; to force a tool call's arguments, give `SamplingParams(structured_outputs=...)` its schema.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
             ids = tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                tools=tools,
+                **(chat_template_kwargs or {}),
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
