@@ -101,20 +101,41 @@ def _structural_tag_grammar(tag: dict[str, Any]) -> str:
 
 
 class GrammarMatcher:
-    """One sample's matcher (scheduler.constraint.TokenConstraint over an llguidance LLMatcher)."""
+    """One sample's matcher (scheduler.constraint.TokenConstraint over an llguidance LLMatcher).
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    With a `trigger` (StructuredOutputsParams.start_after) it starts dormant: it allows every token and
+    watches the decoded output for the trigger, then constrains what follows (the reasoning of a
+    `<think>` model stays free, its answer follows the grammar).
+    """
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, trigger: bytes | None = None
+    ) -> None:
         self.matcher = matcher
+        self._tokenizer = tokenizer
+        self._trigger = trigger
+        self._tail = b""  # the end of the dormant output, long enough to hold the trigger
+
+    @property
+    def active(self) -> bool:
+        return self._trigger is None
 
     def accept(self, token_id: int) -> bool:
+        if self._trigger is not None:
+            self._tail = (self._tail + self._tokenizer.decode_bytes([token_id]))[-4 * len(self._trigger) :]
+            if self._trigger in self._tail:
+                self._trigger = None
+            return True
         return bool(self.matcher.consume_token(token_id))
 
     def fork(self) -> GrammarMatcher:
-        return GrammarMatcher(self.matcher.deep_copy())
+        twin = GrammarMatcher(self.matcher.deep_copy(), self._tokenizer, self._trigger)
+        twin._tail = self._tail
+        return twin
 
     @property
     def is_terminated(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        return self.active and bool(self.matcher.is_stopped())
 
     @property
     def error(self) -> str | None:
@@ -157,7 +178,10 @@ class StructuredOutputManager:
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one request (blocks until compiled: offline callers; the server awaits
         `prepare` first, so this finds the compiled grammar)."""
-        return GrammarMatcher(self.compile(spec).result().deep_copy())
+        template = self.compile(spec).result()  # also builds the tokenizer, on the compile thread
+        assert self._ll_tokenizer is not None
+        trigger = spec.start_after.encode() if spec.start_after else None
+        return GrammarMatcher(template.deep_copy(), self._ll_tokenizer, trigger)
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         grammar = to_grammar(spec)
@@ -183,10 +207,12 @@ class StructuredOutputManager:
     def fill_bitmask(self, matchers: list[GrammarMatcher]) -> np.ndarray:
         """int32 [len(matchers), ceil(vocab / 32)]: row i packs the tokens matcher i allows next (the
         rows computed in parallel by llguidance's own threads)."""
-        bitmask = llg_np.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bitmask = llg_np.allocate_token_bitmask(len(matchers), self.vocab_size)  # all ones: dormant rows
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llg_np.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], bitmask)
+        active = [(m.matcher, i) for i, m in enumerate(matchers) if m.active]
+        if active:
+            llg_np.fill_next_token_bitmask_par(self._executor, active, bitmask)
         return bitmask
 
     def shutdown(self) -> None:

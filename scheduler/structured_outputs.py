@@ -7,6 +7,7 @@ schema; what tool calls compile to). The spec is plain data, torch-free and hash
 controller compiles it (cluster/structured_output/), caches the compiled grammar by `key`, and keeps one
 matcher per sample. Only the shape is checked here; whether the spec compiles is the compiler's word,
 and its failure is a 400 naming `field` (the request field it came from, e.g. "response_format").
+`start_after` delays the constraint until the output has ended its reasoning (see the field).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without optional whitespace between tokens
     disable_additional_properties: bool = False  # JSON schema: objects get no properties beyond those listed
     whitespace_pattern: str | None = None  # JSON: the regex optional whitespace must match
+    # raytp: the constraint applies only once the output contains this text (the end of a reasoning section,
+    # e.g. "</think>"): what vLLM does for `--reasoning-parser` models. The server's reasoning parser sets it.
+    start_after: str | None = None
     # Which request field the constraint came from: errors name it (400 `param`). Not part of the spec.
     field: str = field(default="structured_outputs", compare=False)
 
@@ -54,7 +58,7 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict | bool):
                 raise RequestError(f"{name} must be a JSON object, got {type(value).__name__}.", self.field)
-        for name in ("regex", "grammar", "whitespace_pattern"):
+        for name in ("regex", "grammar", "whitespace_pattern", "start_after"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise RequestError(f"{name} must be a string, got {type(value).__name__}.", self.field)
@@ -68,4 +72,5 @@ class StructuredOutputsParams:
         """The compiled grammar's cache key: the kind, its spec and every option, canonically serialized."""
         spec = {k: getattr(self, k) for k in KINDS if getattr(self, k) not in (None, False)}
         spec["options"] = [self.disable_any_whitespace, self.disable_additional_properties, self.whitespace_pattern]
+        # start_after is not part of the key: it does not change the grammar, only when a matcher starts.
         return json.dumps(spec, sort_keys=True, separators=(",", ":"), default=list)

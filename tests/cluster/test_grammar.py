@@ -1,0 +1,100 @@
+"""The controller's grammar side on the embedded model's tokenizer, without a model: compile, cache,
+refusals (naming the field, quickly for hostile specs), masks, forks and `start_after`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from cluster.structured_output import GrammarMatcher, StructuredOutputManager
+from model_exec.source import load_tokenizer, resolve_model
+from scheduler.errors import RequestError
+from scheduler.structured_outputs import StructuredOutputsParams as Spec
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="module")
+def manager(tok: Any) -> StructuredOutputManager:
+    return StructuredOutputManager(tok, len(tok), (tok.eos_token_id,))
+
+
+def allowed(manager: StructuredOutputManager, m: GrammarMatcher) -> set[int]:
+    row = manager.fill_bitmask([m])[0]
+    return {t for t in range(manager.vocab_size) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+def feed(tok: Any, m: GrammarMatcher, text: str) -> bool:
+    return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+
+def test_spec_shape_is_checked_where_it_is_built() -> None:
+    with pytest.raises(RequestError) as e:
+        Spec(field="response_format")
+    assert e.value.param == "response_format"
+    with pytest.raises(RequestError):
+        Spec(json="{nope", field="guided_json")
+    with pytest.raises(RequestError):
+        Spec(regex="a", choice=["a"])  # two kinds at once
+    assert Spec(json='{"type": "object"}').key == Spec(json={"type": "object"}).key
+    assert Spec(json={"type": "object"}).key != Spec(json={"type": "object"}, disable_any_whitespace=True).key
+
+
+def test_compiles_once_per_spec_and_does_not_cache_failures(manager: StructuredOutputManager) -> None:
+    spec = Spec(choice=["alpha", "beta"])
+    assert manager.compile(spec) is manager.compile(Spec(choice=["alpha", "beta"]))
+    bad = Spec(regex="((", field="guided_regex")
+    first = manager.compile(bad)
+    with pytest.raises(RequestError) as e:
+        first.result()
+    assert e.value.param == "guided_regex" and "regex" in e.value.message
+    assert manager.compile(bad) is not first
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(json={"enum": list(range(100_000))}),
+        Spec(json=json.loads('{"type":"object","properties":{"a":' * 200 + "{}" + "}}" * 200)),
+    ],
+    ids=["100k-enum", "200-deep"],
+)
+def test_hostile_schemas_are_refused_fast(manager: StructuredOutputManager, spec: Spec) -> None:
+    start = time.monotonic()
+    with pytest.raises(RequestError):
+        manager.matcher(spec)
+    assert time.monotonic() - start < 30  # generous: a refusal, not a hang (~0.3 s measured)
+
+
+def test_masks_follow_the_grammar_and_forks_are_independent(tok: Any, manager: StructuredOutputManager) -> None:
+    m = manager.matcher(Spec(choice=["yes", "no"]))
+    first = {tok.decode([t]) for t in allowed(manager, m)}
+    assert {"y", "n", "yes", "no"} <= first and all(s in ("y", "n", "ye", "yes", "no") for s in first)
+    twin = m.fork()
+    assert feed(tok, m, "yes") and m.is_terminated
+    assert not twin.is_terminated and feed(tok, twin, "no") and twin.is_terminated
+    broken = manager.matcher(Spec(choice=["yes", "no"]))
+    assert not broken.accept(tok.encode("x", add_special_tokens=False)[0]) and broken.error
+
+
+def test_json_whitespace_is_bounded_unless_disabled(tok: Any, manager: StructuredOutputManager) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert feed(tok, manager.matcher(Spec(json=schema)), '{\n  "a": 1\n}')
+    assert not feed(tok, manager.matcher(Spec(json=schema)), "{" + " " * 40 + '"a": 1}')
+    assert not feed(tok, manager.matcher(Spec(json=schema, disable_any_whitespace=True)), '{"a": 1}')
+    assert feed(tok, manager.matcher(Spec(json=schema, disable_any_whitespace=True)), '{"a":1}')
+
+
+def test_start_after_leaves_the_reasoning_free(tok: Any, manager: StructuredOutputManager) -> None:
+    m = manager.matcher(Spec(choice=["yes", "no"], start_after="</think>"))
+    assert not m.active and len(allowed(manager, m)) == manager.vocab_size
+    assert feed(tok, m, "Let me think: anything goes here.") and not m.active
+    assert feed(tok, m, "</think>") and m.active
+    assert {tok.decode([t]) for t in allowed(manager, m)} <= {"y", "n", "ye", "yes", "no"}
+    assert feed(tok, m, "no") and m.is_terminated
