@@ -76,8 +76,15 @@ def test_wheel_carries_every_kernel_source(wheel: Path) -> None:
     needed = _kernel_files()
     assert "ops/csrc/vec_math.h" in needed  # the include scan sees the shared header
     with zipfile.ZipFile(wheel) as archive:
-        missing = sorted(needed - set(archive.namelist()))
+        names = set(archive.namelist())
+    missing = sorted(needed - names)
     assert not missing, f"{wheel.name} lacks {missing}: add them to [tool.setuptools.package-data] in pyproject.toml"
+
+
+def test_wheel_leaves_out_build_time_tools(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = sorted(n for n in archive.namelist() if n.startswith(("tools/", "tests/", "benchmarks/")))
+    assert not shipped, f"{wheel.name} ships build-time or test files: {shipped[:5]}"
 
 
 def _venv_with_wheel(venv: Path, wheel: Path) -> Path:
