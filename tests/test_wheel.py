@@ -48,7 +48,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = tmp_path_factory.mktemp("source")
     out = tmp_path_factory.mktemp("dist")
     _distribution_sources(source)
-    # --no-build-isolation: no index needed; the test venv's setuptools builds it (as `pip wheel .` would).
+    # --no-build-isolation: no index needed; the test venv's setuptools (a dependency of torch) builds it.
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
         cwd=source,
