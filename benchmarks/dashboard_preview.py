@@ -3,7 +3,7 @@
     python benchmarks/dashboard_preview.py --prometheus http://localhost:9090 --out dashboard.png
     python benchmarks/dashboard_preview.py --prometheus ... --minutes 30 --model-name my-model
 
-Every panel of the generated dashboard (cluster/metrics/dashboard.py, the same queries as the
+Every panel of the generated dashboard (tools/monitoring/dashboard.py, the same queries as the
 committed JSON) is queried over the time range with Grafana's variables substituted, and drawn
 in the dashboard's order: time series as lines (legend as the dashboard formats it), heatmaps as
 le-bucket x time grids. A panel with no data is drawn with a red "NO DATA" so blanks stand out;
@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.metrics.dashboard import ROWS, Panel, substitute  # noqa: E402
+from tools.monitoring.dashboard import ROWS, Panel, substitute  # noqa: E402
 
 COLUMNS = 3
 

@@ -1,7 +1,7 @@
 """raytp's metrics: one registry of definitions, typed stats, a Ray recorder, the /metrics page.
 
-    registry.py     every metric once (name, type, help, labels, buckets); the dashboard and the
-                    alert rules are generated from it (dashboard.py, alerts.py, generate.py)
+    registry.py     every metric once (name, type, help, labels, buckets); the Grafana dashboard and the
+                    alert rules are generated from it at build time by tools/monitoring (not installed)
     stats.py        the records the engine fills per step and per finished request
     ray_metrics.py  EngineMetrics / WorkerMetrics / BatchMetrics: record into ray.util.metrics
     endpoint.py     application_metrics(): the text `GET /metrics` answers on the API port

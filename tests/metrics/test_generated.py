@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from cluster.metrics import alerts, dashboard, generate
 from cluster.metrics.registry import RAY_LABELS, SERVE_SERIES, exported_series
 from tests.metrics.prom import PROMETHEUS_MISSING, PROMTOOL, promtool
 from tests.metrics.promql import grouping_labels, matcher_labels, series_names, variables
+from tools.monitoring import alerts, dashboard, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN: dict[str, tuple[str, ...]] = {**exported_series(), **SERVE_SERIES}
@@ -25,16 +25,16 @@ def _committed_dashboard() -> dict[str, Any]:
 
 def test_committed_dashboard_is_fresh() -> None:
     pytest.importorskip("grafana_foundation_sdk", reason="the `test` extra's grafana-foundation-sdk regenerates it")
-    from cluster.metrics.grafana import dashboard_json
+    from tools.monitoring.grafana import dashboard_json
 
     assert generate.DASHBOARD_PATH.read_text() == dashboard_json(), (
-        "k8s/raytp/files/raytp-dashboard.json is stale: run `python -m cluster.metrics.generate` and commit it"
+        "k8s/raytp/files/raytp-dashboard.json is stale: run `python -m tools.monitoring.generate` and commit it"
     )
 
 
 def test_committed_alert_rules_are_fresh() -> None:
     assert generate.ALERTS_PATH.read_text() == alerts.rules_yaml(), (
-        "k8s/raytp/files/raytp-alerts.yaml is stale: run `python -m cluster.metrics.generate` and commit it"
+        "k8s/raytp/files/raytp-alerts.yaml is stale: run `python -m tools.monitoring.generate` and commit it"
     )
 
 

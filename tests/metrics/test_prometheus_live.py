@@ -26,10 +26,10 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
-from cluster.metrics import alerts, dashboard, generate
 from cluster.metrics.endpoint import CONTENT_TYPE, application_metrics
 from tests.metrics.prom import PROMETHEUS, PROMETHEUS_MISSING, Prometheus, free_port, job
 from tests.metrics.recording import Recorder
+from tools.monitoring import alerts, dashboard, generate
 
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=PROMETHEUS_MISSING)
 

@@ -25,9 +25,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from cluster.metrics import dashboard
 from serve_app import build_app
 from tests.metrics.prom import PROMETHEUS, PROMETHEUS_MISSING, Prometheus, free_port, job
+from tools.monitoring import dashboard
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROMETHEUS is None, reason=PROMETHEUS_MISSING)]
 

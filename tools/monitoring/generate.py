@@ -1,9 +1,10 @@
 """Write (or check) the generated monitoring files the Helm chart mounts.
 
-    python -m cluster.metrics.generate          # regenerate both files
-    python -m cluster.metrics.generate --check  # exit 1 if either committed file is stale
+    python -m tools.monitoring.generate          # regenerate both files
+    python -m tools.monitoring.generate --check  # exit 1 if either committed file is stale
 
-Both come from cluster/metrics (registry -> dashboard.py / alerts.py); never edit them by hand.
+Both come from the runtime registry (cluster/metrics/registry.py) through dashboard.py and alerts.py here;
+never edit them by hand.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ ALERTS_PATH = ROOT / "k8s" / "raytp" / "files" / "raytp-alerts.yaml"
 
 
 def _dashboard() -> str:
-    from cluster.metrics.grafana import dashboard_json  # needs grafana-foundation-sdk (test extra)
+    from tools.monitoring.grafana import dashboard_json  # needs grafana-foundation-sdk (test extra)
 
     return dashboard_json()
 
 
 def _alerts() -> str:
-    from cluster.metrics.alerts import rules_yaml
+    from tools.monitoring.alerts import rules_yaml
 
     return rules_yaml()
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files()
         for p in stale:
-            print(f"stale: {p.relative_to(ROOT)} (run python -m cluster.metrics.generate)")
+            print(f"stale: {p.relative_to(ROOT)} (run python -m tools.monitoring.generate)")
         return 1 if stale else 0
     for p, render in OUTPUTS.items():
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,1 @@
+"""Build-time tools run from a checkout (`python -m tools...`); not part of the installed distribution."""
