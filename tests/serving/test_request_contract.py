@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from raytp.openai.protocol import (
 )
 from raytp.openai.structured import JsonSchemaFormat, ResponseFormat, StructuredOutputsIn
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured_outputs import StructuredOutputsParams
 from tests.helpers.tiny_models import save_byte_tokenizer
 
 MAX_MODEL_LEN = 64
@@ -302,3 +304,115 @@ def test_every_field_is_honoured_or_refused(
     else:
         assert after[0] == "ok", f"{field}: refused without a refusal in contract.py: {after}"
         assert after != before, f"{field} parses but changes nothing that reaches the engine or the client"
+
+
+# Fields whose null is not their default, as in vLLM: null max_tokens on completions means "as many as fit".
+NULL_IS_NOT_DEFAULT = {("completions", "max_tokens")}
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        (path, field)
+        for path, model in (("completions", CompletionRequest), ("chat", ChatCompletionRequest))
+        for field, info in model.model_fields.items()
+        if not info.is_required() and (path, field) not in NULL_IS_NOT_DEFAULT
+    ],
+)
+def test_null_means_the_default(ctx: ServingContext, path: str, field: str) -> None:
+    assert run(ctx, path, {**BASE[path], field: None}) == run(ctx, path, BASE[path])
+
+
+def test_null_in_nested_objects_means_the_default(ctx: ServingContext) -> None:
+    body = {**BASE["chat"], "stream": True, "stream_options": {"include_usage": None}}
+    assert run(ctx, "chat", body) == run(ctx, "chat", {**BASE["chat"], "stream": True, "stream_options": {}})
+    body = {**BASE["completions"], "structured_outputs": {"regex": "a", "disable_any_whitespace": None}}
+    assert run(ctx, "completions", body) == run(
+        ctx, "completions", {**BASE["completions"], "structured_outputs": {"regex": "a"}}
+    )
+
+
+def test_unknown_fields_are_accepted_and_logged_once_per_name(
+    ctx: ServingContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    from raytp.openai import base
+
+    body = {**BASE["completions"], "raytp_test_unknown_field": 1}
+    with caplog.at_level(logging.WARNING, logger=base.__name__):
+        assert run(ctx, "completions", body) == run(ctx, "completions", BASE["completions"])
+        assert run(ctx, "completions", body)[0] == "ok"
+    hits = [r for r in caplog.records if "raytp_test_unknown_field" in r.getMessage()]
+    assert len(hits) == 1, [r.getMessage() for r in caplog.records]
+
+
+def params_of(ctx: ServingContext, path: str, **fields: Any) -> SamplingParams:
+    out = run(ctx, path, {**BASE[path], **fields})
+    assert out[0] == "ok", out
+    ((_, params),) = out[1]
+    return params
+
+
+@pytest.mark.parametrize("path", ["completions", "chat"])
+def test_constraints_reach_sampling_params_naming_their_field(ctx: ServingContext, path: str) -> None:
+    def so(**fields: Any) -> StructuredOutputsParams | None:
+        return params_of(ctx, path, **fields).structured_outputs
+
+    assert so(response_format={"type": "text"}) is None
+    got = so(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
+    assert got == StructuredOutputsParams(json=SCHEMA) and got.field == "response_format"
+    assert so(response_format={"type": "json_object"}) == StructuredOutputsParams(json_object=True)
+    got = so(structured_outputs={"choice": ["yes", "no"], "disable_fallback": True})
+    assert got == StructuredOutputsParams(choice=("yes", "no")) and got.field == "structured_outputs"
+    got = so(structured_outputs={"json": json.dumps(SCHEMA), "disable_any_whitespace": True})
+    assert got == StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    got = so(guided_json=SCHEMA, guided_whitespace_pattern=r"[ ]?", guided_decoding_backend="guidance")
+    assert got == StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?") and got.field == "guided_json"
+    assert so(guided_regex="a+") == StructuredOutputsParams(regex="a+")
+    assert so(guided_grammar='root ::= "a"') == StructuredOutputsParams(grammar='root ::= "a"')
+    tag = so(response_format={"type": "structural_tag", "structures": [TAG], "triggers": ["<a"]})
+    assert tag == StructuredOutputsParams(structural_tag={"structures": [TAG], "triggers": ["<a"]})
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "[1]"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json"),
+        ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
+        ({"store": True}, "store"),
+        ({"service_tier": "priority"}, "service_tier"),
+    ],
+)
+def test_bad_specs_are_400s_naming_the_field(ctx: ServingContext, fields: dict[str, Any], param: str) -> None:
+    for path in ("completions", "chat"):
+        assert run(ctx, path, {**BASE[path], **fields}) == ("error", 400, param)
+
+
+def test_neutral_values_of_refused_fields_are_served(ctx: ServingContext) -> None:
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "store": False, "suffix": ""}
+    assert run(ctx, "completions", {**BASE["completions"], **neutral}) == run(ctx, "completions", BASE["completions"])
+    neutral = {"modalities": ["text"], "service_tier": "auto", "echo": False, "add_special_tokens": False}
+    assert run(ctx, "chat", {**BASE["chat"], **neutral}) == run(ctx, "chat", BASE["chat"])
+
+
+def test_max_completion_tokens_and_truncation_on_completions(ctx: ServingContext) -> None:
+    assert params_of(ctx, "completions").max_tokens == 16  # OpenAI's default for legacy completions
+    assert params_of(ctx, "completions", max_completion_tokens=5).max_tokens == 5
+    assert params_of(ctx, "completions", max_tokens=9, max_completion_tokens=5).max_tokens == 5
+    out = run(ctx, "completions", {**BASE["completions"], "truncate_prompt_tokens": 3, "echo": True})
+    assert out[0] == "ok"
+    ((ids, _),) = out[1]
+    assert len(ids) == 3 and out[2]["choices"][0]["text"] == "ere" + "ab"  # echo shows what was kept
