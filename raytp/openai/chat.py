@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from cluster.outputs import PositionLogprobs
 from raytp.openai.context import DONE, ServingContext, sse
+from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error, unwrap
 from raytp.openai.logprobs import chat_logprobs
 from raytp.openai.protocol import (
@@ -24,7 +25,7 @@ from raytp.openai.protocol import (
     UsageInfo,
     stream_dump,
 )
-from raytp.openai.requests import resolve_max_tokens, to_sampling_params
+from raytp.openai.requests import requested_max_tokens, resolve_max_tokens, to_sampling_params, truncate_prompt
 from raytp.openai.stream import RequestStream
 from scheduler.errors import RequestError
 
@@ -38,9 +39,10 @@ class ChatHandler:
         ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+        check_refused(req)
         ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
-        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
+        requested, max_param = requested_max_tokens(req)
         params = to_sampling_params(
             req,
             max_tokens=resolve_max_tokens(requested, len(ids), ctx.max_model_len, max_param),

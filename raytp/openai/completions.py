@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from cluster.outputs import PositionLogprobs, RequestOutput
 from raytp.openai.context import DONE, ServingContext, sse
+from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error
 from raytp.openai.logprobs import completion_logprobs
 from raytp.openai.protocol import (
@@ -24,7 +25,7 @@ from raytp.openai.protocol import (
     UsageInfo,
     stream_dump,
 )
-from raytp.openai.requests import resolve_max_tokens, to_sampling_params
+from raytp.openai.requests import requested_max_tokens, resolve_max_tokens, to_sampling_params, truncate_prompt
 from raytp.openai.stream import RequestStream, merge, start_all
 
 
@@ -32,12 +33,20 @@ class CompletionHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def _prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]]
+    async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text if given as text and kept whole, token ids) per prompt, truncated as the request asks."""
+        out: list[tuple[str | None, list[int]]] = []
+        for text, ids in await self._tokenized(req.prompt, req.add_special_tokens):
+            kept = truncate_prompt(ids, req.truncate_prompt_tokens, self.ctx.max_model_len)
+            out.append((text if len(kept) == len(ids) else None, kept))  # echo decodes what was kept
+        return out
+
+    async def _tokenized(
+        self, prompt: str | list[str] | list[int] | list[list[int]], add_special_tokens: bool
     ) -> list[tuple[str | None, list[int]]]:
         """(text if given as text, token ids) per prompt."""
         if isinstance(prompt, str):
-            return [(prompt, await self.ctx.encode(prompt))]
+            return [(prompt, await self.ctx.encode(prompt, add_special_tokens))]
         if not prompt:
             raise bad_request("prompt must not be empty.", "prompt")
         if all(isinstance(p, int) for p in prompt):
@@ -45,7 +54,7 @@ class CompletionHandler:
         out: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, await self.ctx.encode(p)))
+                out.append((p, await self.ctx.encode(p, add_special_tokens)))
             else:
                 assert isinstance(p, list)
                 out.append((None, list(p)))
@@ -54,17 +63,14 @@ class CompletionHandler:
     async def create(self, req: CompletionRequest, request_id: str) -> CompletionResponse | AsyncIterator[str]:
         ctx = self.ctx
         ctx.check_model(req.model)
-        if req.stream and req.best_of is not None and req.best_of > req.n:
-            raise bad_request("best_of greater than n is not supported when streaming.", "best_of")
-        if req.suffix:
-            raise bad_request("suffix is not supported.", "suffix")
-        prompts = await self._prompts(req.prompt)
+        check_refused(req)
+        prompts = await self._prompts(req)
+        requested, max_param = requested_max_tokens(req)
         streams: list[RequestStream] = []
         for i, (_, ids) in enumerate(prompts):
             params = to_sampling_params(
                 req,
-                max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens"),
-                best_of=req.best_of,
+                max_tokens=resolve_max_tokens(requested, len(ids), ctx.max_model_len, max_param),
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             )

@@ -102,7 +102,11 @@ class ServingContext:
 
     async def chat_prompt_ids(self, messages: Iterable[ChatMessageIn], add_generation_prompt: bool) -> list[int]:
         """The conversation through the model's chat template (as `LLM.chat` does offline)."""
-        convo = [{"role": m.role, "content": _content_text(m)} for m in messages]
+        # A message's `name` reaches the template (templates that know names use it; others ignore it).
+        convo = [
+            {"role": m.role, "content": _content_text(m), **({"name": m.name} if m.name is not None else {})}
+            for m in messages
+        ]
         self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in convo), "messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template; use /v1/completions.", "messages")

@@ -2,8 +2,10 @@
 
 Field names, defaults and response shapes follow OpenAI's API; the vLLM extensions
 (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`, ...)
-are accepted under the same names vLLM uses. Unknown request fields are ignored, as vLLM
-does, so clients that send newer OpenAI fields keep working.
+are accepted under the same names vLLM uses. Every declared field is either honoured or refused
+with a 400 naming it (`contract.py` holds the refusals; docs/openai_contract.md the table).
+Unknown request fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
+working (logged once per name: base.py); `null` means "the default" for every optional field.
 
 The request schemas state types and widths (every number finite, integers within the engine's
 int64/int32 tensors); value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by
@@ -16,7 +18,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from raytp.openai.base import OpenAIModel, OpenAIRequest
+from raytp.openai.structured import ResponseFormat, StructuredOutputsIn
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
@@ -24,39 +29,49 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is one engine 
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
-
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class OpenAIRequest(OpenAIModel):
-    # JSON's Infinity/NaN literals (which Python's json module accepts) are refused.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 # ----------------------------------------------------------------------------- requests
 
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: raytp never pads (harmless)
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (refused: contract.py)
 
 
 class SamplingFields(OpenAIRequest):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Each is honoured (mapped in
+    requests.py or used by the handlers), accepted as metadata, or refused (contract.py)."""
 
     model: str | None = None  # None: the served model (vLLM accepts the omission too)
     n: Count = 1
+    best_of: Count | None = None
     temperature: float | None = None  # None: 1.0, OpenAI's default
     top_p: float | None = None
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key string) -> bias
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Constrained output: at most one of these sources per request (requests.structured_outputs).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only backends raytp has: "auto", "guidance"
+    guided_whitespace_pattern: str | None = None  # with guided_json / json response formats
+    # Metadata: accepted, no effect on the output (raytp stores nothing and serves one tier).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # only false: raytp stores no completions (contract.py)
+    service_tier: str | None = None  # only "auto" / "default" (contract.py)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # raytp's prefix cache needs no hint
     # vLLM extensions
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
@@ -67,6 +82,22 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # keep the last k prompt tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    # vLLM extensions raytp refuses unless neutral (contract.py says why, per field)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: Count | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -77,11 +108,13 @@ class CompletionRequest(SamplingFields):
         | list[TokenId]
         | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
     )
-    max_tokens: Count | None = 16  # OpenAI's default for legacy completions
-    best_of: Count | None = None
+    max_tokens: Count | None = 16  # OpenAI's default for legacy completions; null: as many as fit (vLLM)
+    max_completion_tokens: Count | None = None  # vLLM accepts it here too; it wins over max_tokens
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    suffix: str | None = None  # accepted for compatibility; raytp has no fill-in-the-middle
+    suffix: str | None = None  # raytp has no fill-in-the-middle: a non-empty suffix is refused
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. around a text prompt
+    prompt_embeds: str | list[str] | None = None  # vLLM: refused
 
 
 class ContentPart(OpenAIRequest):
@@ -102,6 +135,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
+    # OpenAI fields raytp refuses unless absent or neutral (contract.py)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    # vLLM chat extensions raytp refuses unless neutral (contract.py)
+    echo: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIRequest):

@@ -1,4 +1,5 @@
-"""OpenAI request fields -> SamplingParams: defaults, JSON-string logit_bias keys, max_tokens.
+"""OpenAI request fields -> SamplingParams: defaults, JSON-string logit_bias keys, max_tokens, prompt
+truncation, and the constraint a request puts on its output (`structured_outputs`).
 
 Only the OpenAI-specific translation happens here. Values are validated once, by SamplingParams
 (ranges) and the engine's request check (vocabulary, max_model_len, max_num_seqs); both raise
@@ -9,9 +10,36 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytp.openai.protocol import SamplingFields
+from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from raytp.openai.structured import ResponseFormat
 from scheduler.errors import RequestError
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured_outputs import StructuredOutputsParams
+
+# guided_decoding_backend values raytp can honour: its one backend is llguidance ("guidance" in vLLM).
+BACKENDS = ("auto", "guidance", "llguidance")
+# vLLM's older top-level constraint fields -> the StructuredOutputsParams kind each sets.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
+    """(the requested completion length, the field it came from): max_completion_tokens wins, as in vLLM."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: the last max_model_len)."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep > max_model_len:
+        raise RequestError(
+            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (max_model_len), got {keep}.",
+            "truncate_prompt_tokens",
+        )
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int | None:
@@ -42,18 +70,68 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def _from_response_format(rf: ResponseFormat) -> dict[str, Any] | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"json_object": True}
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise RequestError("response_format of type json_schema needs json_schema.schema.", "response_format")
+        return {"json": rf.json_schema.schema_}
+    if rf.structures is None or rf.triggers is None:
+        raise RequestError("response_format of type structural_tag needs structures and triggers.", "response_format")
+    return {"structural_tag": {"structures": rf.structures, "triggers": rf.triggers}}
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever one source it used (two sources are a 400: which
+    one wins would be a guess). Shape errors name the source field; so do the engine's compile errors."""
+    if req.guided_decoding_backend is not None and req.guided_decoding_backend not in BACKENDS:
+        raise RequestError(
+            f"guided_decoding_backend must be one of {', '.join(BACKENDS)} (raytp's backend is llguidance), "
+            f"got {req.guided_decoding_backend!r}.",
+            "guided_decoding_backend",
+        )
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if req.response_format is not None and (spec := _from_response_format(req.response_format)) is not None:
+        sources.append(("response_format", spec))
+    if req.structured_outputs is not None:
+        spec = req.structured_outputs.model_dump(by_alias=True, exclude={"disable_fallback"})
+        sources.append(("structured_outputs", spec))
+    sources += [(name, {kind: getattr(req, name)}) for name, kind in GUIDED.items() if getattr(req, name) is not None]
+    if len(sources) > 1:
+        raise RequestError(
+            f"Send at most one output constraint; this request has {' and '.join(n for n, _ in sources)}.",
+            sources[1][0],
+        )
+    if req.guided_whitespace_pattern is not None:
+        if not sources or not ({"json", "json_object"} & {k for k, v in sources[0][1].items() if v}):
+            raise RequestError(
+                "guided_whitespace_pattern applies to a JSON constraint only.", "guided_whitespace_pattern"
+            )
+        if sources[0][1].get("whitespace_pattern") is not None:
+            raise RequestError("Send whitespace_pattern once, not also as guided_whitespace_pattern.", sources[0][0])
+        sources[0][1]["whitespace_pattern"] = req.guided_whitespace_pattern
+    if not sources:
+        return None
+    field, spec = sources[0]
+    return StructuredOutputsParams(**spec, field=field)
+
+
 def to_sampling_params(
     req: SamplingFields,
     *,
     max_tokens: int | None,
-    best_of: int | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Raises RequestError (-> 400 naming the field) for values SamplingParams refuses."""
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise RequestError("best_of greater than n is not supported when streaming.", "best_of")
     kwargs: dict[str, Any] = dict(
         n=req.n,
-        best_of=best_of,
+        best_of=req.best_of,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
@@ -73,5 +151,6 @@ def to_sampling_params(
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs(req),
     )
     return SamplingParams(**kwargs)

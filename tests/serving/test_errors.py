@@ -93,6 +93,13 @@ def assert_error(resp: requests.Response, status: int, param: str | None = None,
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        # the request contract (issue 31): bad constraint specs and fields raytp cannot honour
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": "{x"}, "guided_json"),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": {}}, "audio"),
     ],
 )
 def test_400_invalid_fields(server: LiveServer, path: str, body: dict[str, Any], param: str) -> None:

@@ -209,11 +209,6 @@ def test_vllm_sampling_extensions(server: LiveServer, llm: LLM) -> None:
     assert r.choices[0].text == " the" * 8
     r = client.completions.create(**{**kw, "temperature": 1.0}, seed=3, extra_body={"top_k": 1})
     assert r.choices[0].text == ref.outputs[0].text
-    # penalties, min_p and repetition_penalty pass through SamplingParams (values checked there)
-    r = client.completions.create(
-        **kw, presence_penalty=0.5, frequency_penalty=0.5, extra_body={"min_p": 0.1, "repetition_penalty": 1.2}
-    )
-    assert r.choices[0].finish_reason == "length"
     # min_tokens + ignore_eos: a chat reply that would end early runs to max_tokens
     chat = client.chat.completions.create(
         model=MODEL,
@@ -223,6 +218,64 @@ def test_vllm_sampling_extensions(server: LiveServer, llm: LLM) -> None:
         extra_body={"min_tokens": 40, "ignore_eos": True},
     )
     assert chat.usage is not None and chat.usage.completion_tokens == 40
+
+
+# (OpenAI keyword arguments, extra_body) of each sampling field compared with the offline engine
+SEEDED_CASES = [
+    ({"presence_penalty": 2.0}, {}),
+    ({"frequency_penalty": 2.0}, {}),
+    ({}, {"repetition_penalty": 2.0}),
+    ({}, {"min_p": 0.3}),
+    ({"top_p": 0.3}, {}),
+    ({}, {"top_k": 3}),
+]
+
+
+@pytest.mark.parametrize(("openai_kw", "extra"), SEEDED_CASES, ids=[str({**a, **b}) for a, b in SEEDED_CASES])
+def test_sampling_fields_equal_seeded_offline(
+    server: LiveServer, llm: LLM, openai_kw: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """A seeded sample over HTTP is the offline engine's sample with the same seed and params (seeded
+    rows do not depend on the batch). The same seed without the field gives other text, so a mapping
+    that dropped the field would fail here (a finish_reason check would not)."""
+    base: dict[str, Any] = dict(temperature=1.0, seed=11, max_tokens=32)
+    (ref,) = llm.generate(PROMPTS[1], SamplingParams(**base, **openai_kw, **extra), use_tqdm=False)
+    (plain,) = llm.generate(PROMPTS[1], SamplingParams(**base), use_tqdm=False)
+    assert ref.outputs[0].text != plain.outputs[0].text, "the field changes nothing here: choose a stronger value"
+    r = server.client().completions.create(model=MODEL, prompt=PROMPTS[1], **base, **openai_kw, extra_body=extra)
+    assert r.choices[0].text == ref.outputs[0].text
+    # chat: the same fields through the chat template
+    (chat_ref,) = llm.chat(CHAT, SamplingParams(**base, **openai_kw, **extra), use_tqdm=False)
+    chat = server.client().chat.completions.create(
+        model=MODEL,
+        messages=CHAT,  # type: ignore[arg-type]
+        temperature=1.0,
+        seed=11,
+        max_completion_tokens=32,
+        **openai_kw,
+        extra_body=extra,
+    )
+    assert chat.choices[0].message.content == chat_ref.outputs[0].text
+
+
+def test_nulls_and_max_completion_tokens_on_completions(server: LiveServer) -> None:
+    """Clients send null for "the default" (vLLM accepts it); /v1/completions honours max_completion_tokens."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "echo": None, "best_of": None, "stop": None, "seed": None}
+    r = requests.post(
+        server.url("/v1/completions"),
+        json={"prompt": PROMPTS[0], "temperature": 0, "max_completion_tokens": 5, **nulls},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    chat_nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "stream_options": None}
+    r = requests.post(
+        server.url("/v1/chat/completions"),
+        json={"messages": CHAT, "temperature": 0, "max_tokens": 3, **chat_nulls},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_echo_and_best_of(server: LiveServer) -> None:
