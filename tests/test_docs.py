@@ -13,8 +13,6 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `a/b/c.py`-like words in backticks; the first component decides whether it is a repository path.
 _PATH = re.compile(r"`([A-Za-z0-9_.\-]+(?:/[A-Za-z0-9_.\-]+)+/?)`")
 _LINK = re.compile(r"\]\(([^)#\s]+)\)")
-# Written on the branch that documents the HTTP contract (issue 27); drop this once both are merged.
-PENDING = {ROOT / "docs" / "openai_contract.md"}
 
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one() -> None:
@@ -32,6 +30,6 @@ def test_named_files_exist(doc: Path) -> None:
     paths = {p for p in _PATH.findall(text) if (ROOT / p.split("/")[0]).exists()}
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     links = {(doc.parent / t).resolve() for t in _LINK.findall(text) if not t.startswith(("http://", "https://"))}
-    broken = sorted(str(t.relative_to(ROOT)) for t in links - PENDING if not t.exists())
+    broken = sorted(str(t.relative_to(ROOT)) for t in links if not t.exists())
     assert not missing, f"{doc.name} names paths that do not exist: {missing}"
     assert not broken, f"{doc.name} links to files that do not exist: {broken}"
