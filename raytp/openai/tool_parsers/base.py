@@ -46,6 +46,12 @@ class ToolParser(ABC):
     def parse(self, text: str, final: bool) -> Snapshot:
         """`final`: the text is the whole output. Keeps the prefix invariant in the module docstring."""
 
+    def structural_tag(self, schemas: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        """A structural tag (vLLM's `{"structures", "triggers"}`) under which every call this parser reads
+        has arguments valid for its function's schema (`schemas`: name -> JSON schema), or None when
+        the format cannot be written as one."""
+        return None
+
     def make_id(self) -> str:
         return f"chatcmpl-tool-{uuid.uuid4().hex}"
 

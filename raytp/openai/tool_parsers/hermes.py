@@ -6,6 +6,9 @@ up to its closing tag, keeping whatever call it had named so far.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from raytp.openai.tool_parsers.base import Snapshot, ToolParser, call_at, plain_text
 from raytp.openai.tool_parsers.json_scan import skip_ws
 
@@ -14,6 +17,13 @@ ARG_KEYS = ("arguments", "parameters")
 
 
 class HermesToolParser(ToolParser):
+    def structural_tag(self, schemas: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        structures = [
+            {"begin": f'{START}\n{{"name": {json.dumps(name)}, "arguments": ', "schema": schema, "end": f"}}\n{END}"}
+            for name, schema in schemas.items()
+        ]
+        return {"structures": structures, "triggers": [START]}
+
     def parse(self, text: str, final: bool) -> Snapshot:
         snap = Snapshot("")
         pos = 0
