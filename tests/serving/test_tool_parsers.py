@@ -103,6 +103,8 @@ HERMES = [
     f"<tool_call>{WEATHER}</tool_call>\n",
     "No tools needed: 1 < 2 and <tool is not a tag.",
     '<tool_call>\n{"arguments": {"q": "</tool_call>"}, "name": "search"}\n</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {}}</tool_call> </tool',
+    "<tool_call>not json</tool_call>Fine.",
 ]
 
 
@@ -120,6 +122,9 @@ def test_hermes_whole_text() -> None:
     assert whole(tool_sampler("hermes"), HERMES[1]).content is None
     assert whole(tool_sampler("hermes"), HERMES[2]) == Message(None, HERMES[2], [])
     assert calls(whole(tool_sampler("hermes"), HERMES[3])) == [("search", {"q": "</tool_call>"})]
+    unclosed = whole(tool_sampler("hermes"), HERMES[4])  # the first call's closing tag is missing
+    assert calls(unclosed) == [("a", {}), ("b", {})] and unclosed.content == " </tool"
+    assert whole(tool_sampler("hermes"), HERMES[5]) == Message(None, "Fine.", [])
     assert len(whole(tool_sampler("hermes", max_calls=1), HERMES[0]).tool_calls) == 1
 
 

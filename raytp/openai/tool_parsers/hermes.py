@@ -1,7 +1,8 @@
 """hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per message (Qwen2.5, Hermes 2/3).
 
 Text outside the tags is content. A tag body that is not a call object (or that breaks off) is skipped
-up to its closing tag, keeping whatever call it had named so far.
+up to its closing tag, keeping whatever call it had named so far; a call object whose closing tag is
+missing ends where the object does.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class HermesToolParser(ToolParser):
                 if found.arriving(text):  # a closing tag now could be inside one of its strings
                     return snap
                 after = found.scan.end
+                if found.scan.complete:
+                    j = skip_ws(text, after)
+                    if text.startswith(END, j):
+                        pos = j + len(END)
+                        continue
+                    if not final and END.startswith(text[j:]):
+                        return snap
+                    pos = after  # a call without its closing tag: what follows is text or the next call
+                    continue
             close = text.find(END, after)
             if close < 0:
                 return snap
