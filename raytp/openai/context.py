@@ -138,7 +138,9 @@ class ServingContext:
                 f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own fields do.",
                 "chat_template_kwargs",
             )
-        unused = sorted(set(kwargs) - template_variables(self.tokenizer.chat_template))
+        template = self.tokenizer.chat_template
+        templates = template.values() if isinstance(template, dict) else [template]  # named templates: any
+        unused = sorted(set(kwargs).difference(*map(template_variables, templates)))
         if unused:
             raise bad_request(
                 f"chat_template_kwargs {', '.join(unused)}: not read by this model's chat template.",

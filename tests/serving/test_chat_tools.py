@@ -367,3 +367,26 @@ def test_reasoning_then_auto_tool_calls(tokenizer: Any) -> None:
     msg = reassemble(stream_chunks(h, tools=TOOLS))
     assert (msg["reasoning_content"], msg["content"]) == ("Need weather.", "\nChecking.")
     assert call_list(msg["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+
+
+def test_template_kwargs_with_named_templates() -> None:
+    """A tokenizer may carry several named templates (a dict): a key any of them reads is accepted."""
+    from types import SimpleNamespace
+
+    rendered: list[dict[str, Any]] = []
+
+    def apply_chat_template(convo: Any, **kw: Any) -> list[int]:
+        rendered.append(kw)
+        return [5]
+
+    tok = SimpleNamespace(
+        chat_template={"default": "{{ messages }}", "tool_use": "{{ messages }}{{ tools }}{{ builtin_tools }}"},
+        apply_chat_template=apply_chat_template,
+    )
+    ctx = ServingContext(FakeEngine(["x"]), tok, "m", max_model_len=64, vocab_size=259, max_token_chars=4)
+    msgs = ChatCompletionRequest(messages=USER).messages
+    assert asyncio.run(ctx.chat_prompt_ids(msgs, True, None, {"builtin_tools": ["x"]})) == [5]
+    assert rendered[-1]["builtin_tools"] == ["x"]
+    with pytest.raises(OpenAIError, match="not read") as e:
+        asyncio.run(ctx.chat_prompt_ids(msgs, True, None, {"other": 1}))
+    assert e.value.param == "chat_template_kwargs"
