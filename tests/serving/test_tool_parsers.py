@@ -83,6 +83,9 @@ def test_scanner_reports_complete_arriving_and_broken_values() -> None:
     assert scan_value('{"a": [1, "]"', 0, False) == (13, False)
     assert scan_value("{]", 0, False).broken("{]")
     assert scan_value("123", 0, False) == (3, False) and scan_value("123", 0, True) == (3, True)
+    assert scan_value(r'"a\\"b', 0, False) == (5, True)  # an escaped backslash, then the closing quote
+    assert scan_value(r'"a\"', 0, False) == (4, False)  # an escaped quote: still open
+    assert scan_value(r'{"k": "}\n{"}', 0, False) == (13, True)
     members = scan_members('{"name": "f", "arguments": {"x": 1', 0, False)
     assert set(members.values) == {"name", "arguments"} and not members.scan.complete
     assert members.values["arguments"][1] == (34, False)

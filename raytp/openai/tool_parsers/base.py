@@ -148,6 +148,9 @@ class ToolCallStream:
         return bool(self._calls)
 
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """Re-parses all the text so far (O(length) per delta: cheap next to the step that made the text)."""
+        if not text and not final:
+            return []
         self._text += text
         snap = self.parser.parse(self._text, final)
         out: list[dict[str, Any]] = []

@@ -13,10 +13,14 @@ validated): a tool call's arguments are handed on as the model's own text.
 from __future__ import annotations
 
 import json
+import re
 from typing import NamedTuple
 
 WHITESPACE = " \t\r\n"
 _SCALAR_END = ",}]" + WHITESPACE
+# The scanner runs over the text so far on every delta: strings and the search for structure run in `re`.
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_STRUCTURE = re.compile(r'[\[\]{}"]')
 
 
 class Scan(NamedTuple):
@@ -36,15 +40,8 @@ def skip_ws(text: str, i: int) -> int:
 
 def scan_string(text: str, i: int) -> Scan:
     """text[i] is the opening quote."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return Scan(j + 1, True)
-        else:
-            j += 1
-    return Scan(len(text), False)
+    m = _STRING.match(text, i)
+    return Scan(m.end(), True) if m else Scan(len(text), False)
 
 
 def scan_value(text: str, i: int, final: bool) -> Scan:
@@ -69,8 +66,8 @@ def scan_value(text: str, i: int, final: bool) -> Scan:
 def _scan_container(text: str, i: int) -> Scan:
     closers: list[str] = []
     j = i
-    while j < len(text):
-        c = text[j]
+    while (m := _STRUCTURE.search(text, j)) is not None:
+        j, c = m.start(), m.group()
         if c == '"':
             s = scan_string(text, j)
             if not s.complete:
@@ -79,7 +76,7 @@ def _scan_container(text: str, i: int) -> Scan:
             continue
         if c in "{[":
             closers.append("}" if c == "{" else "]")
-        elif c in "}]":
+        else:
             if c != closers.pop():
                 return Scan(j, False)
             if not closers:
