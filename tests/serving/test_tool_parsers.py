@@ -108,6 +108,8 @@ HERMES = [
     '<tool_call>\n{"arguments": {"q": "</tool_call>"}, "name": "search"}\n</tool_call>',
     '<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {}}</tool_call> </tool',
     "<tool_call>not json</tool_call>Fine.",
+    '<tool_call>{"name": tru}</tool_call><tool_call>{"name": {"x": [}, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "a", "parameters": {"p": 1}, "arguments": {"q": 2}, "name": "b"}</tool_call>',
 ]
 
 
@@ -128,6 +130,8 @@ def test_hermes_whole_text() -> None:
     unclosed = whole(tool_sampler("hermes"), HERMES[4])  # the first call's closing tag is missing
     assert calls(unclosed) == [("a", {}), ("b", {})] and unclosed.content == " </tool"
     assert whole(tool_sampler("hermes"), HERMES[5]) == Message(None, "Fine.", [])
+    assert whole(tool_sampler("hermes"), HERMES[6]) == Message(None, "", [])  # names that are not strings
+    assert calls(whole(tool_sampler("hermes"), HERMES[7])) == [("a", {"p": 1})]  # duplicate keys: the first
     assert len(whole(tool_sampler("hermes", max_calls=1), HERMES[0]).tool_calls) == 1
 
 

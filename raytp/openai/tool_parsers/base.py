@@ -87,13 +87,12 @@ def call_at(text: str, i: int, final: bool, arg_keys: tuple[str, ...]) -> Found:
     name: str | None = None
     if "name" in members.values:
         start, scan = members.values["name"]
-        if scan.complete:
-            value: Any = json.loads(text[start : scan.end])
-            name = value if isinstance(value, str) else None
+        if scan.complete and text[start] == '"':  # a complete string is valid JSON (the scanner matched it)
+            name = json.loads(text[start : scan.end])
     arguments = ""
-    for key in arg_keys:
-        if key in members.values:
-            start, scan = members.values[key]
+    # The first arguments key in the object wins (a later duplicate must not replace what was streamed).
+    for key, (start, scan) in members.values.items():
+        if key in arg_keys:
             arguments = text[start : scan.end]
             break
     else:

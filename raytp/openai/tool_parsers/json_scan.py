@@ -117,7 +117,7 @@ def scan_members(text: str, i: int, final: bool) -> Members:
         j = skip_ws(text, j + 1)
         v = scan_value(text, j, final)
         if j < n:
-            values[key] = (j, v)
+            values.setdefault(key, (j, v))  # a duplicate key cannot change what an earlier prefix reported
         if not v.complete:
             return Members(values, Scan(v.end, False))
         j = skip_ws(text, v.end)
