@@ -108,7 +108,8 @@ HERMES = [
     '<tool_call>\n{"arguments": {"q": "</tool_call>"}, "name": "search"}\n</tool_call>',
     '<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {}}</tool_call> </tool',
     "<tool_call>not json</tool_call>Fine.",
-    '<tool_call>{"name": tru}</tool_call><tool_call>{"name": {"x": [}, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": tru}</tool_call><tool_call>{"name": {"x": [}, "arguments": {}}</tool_call>'
+    '<tool_call>{"name": "\\x"}</tool_call>',
     '<tool_call>{"name": "a", "parameters": {"p": 1}, "arguments": {"q": 2}, "name": "b"}</tool_call>',
 ]
 

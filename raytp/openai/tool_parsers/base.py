@@ -73,6 +73,15 @@ def plain_text(segment: str, final: bool, after_call: bool, tag: str) -> str:
     return "" if after_call and not segment.strip() else segment
 
 
+def _json_string(literal: str) -> str | None:
+    """The string a quoted literal stands for; None for a bad escape or a raw control character."""
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 class Found(NamedTuple):
     call: CallSnapshot | None  # None when the object is over (complete or broken) without a name
     scan: Scan  # of the object: complete, broken (at scan.end), or still arriving
@@ -87,8 +96,8 @@ def call_at(text: str, i: int, final: bool, arg_keys: tuple[str, ...]) -> Found:
     name: str | None = None
     if "name" in members.values:
         start, scan = members.values["name"]
-        if scan.complete and text[start] == '"':  # a complete string is valid JSON (the scanner matched it)
-            name = json.loads(text[start : scan.end])
+        if scan.complete and text[start] == '"':
+            name = _json_string(text[start : scan.end])
     arguments = ""
     # The first arguments key in the object wins (a later duplicate must not replace what was streamed).
     for key, (start, scan) in members.values.items():
