@@ -2,14 +2,23 @@
 
 Streaming follows OpenAI's chunk sequence per choice: a first delta carrying the role,
 content deltas, and the finish_reason; then (if asked) a usage chunk with no choices.
+
+Tools and reasoning (`tools.py`, `chat_output.py`): each sample's text goes through a `SampleParser`,
+which splits out `reasoning_content` and tool calls; the non-streamed message is that parser's deltas
+for the whole text, folded, so both roads give the same message. A sample that called tools and
+stopped by itself finishes with `tool_calls`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from cluster.outputs import PositionLogprobs
+from raytp.openai.chat_output import SampleParser, fold
+from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.context import DONE, ServingContext, sse
 from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error, unwrap
@@ -22,17 +31,21 @@ from raytp.openai.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatStreamChoice,
+    ToolCallOut,
     UsageInfo,
     stream_dump,
 )
 from raytp.openai.requests import requested_max_tokens, resolve_max_tokens, to_sampling_params, truncate_prompt
 from raytp.openai.stream import RequestStream
+from raytp.openai.tools import ToolPlan, plan_tools
 from scheduler.errors import RequestError
+from scheduler.sampling_params import SamplingParams
 
 
 class ChatHandler:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, settings: ChatSettings | None = None) -> None:
         self.ctx = ctx
+        self.settings = settings if settings is not None else ChatSettings()
 
     async def create(self, req: ChatCompletionRequest, request_id: str) -> ChatCompletionResponse | AsyncIterator[str]:
         ctx = self.ctx
@@ -40,7 +53,10 @@ class ChatHandler:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
         check_refused(req)
-        ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        plan = plan_tools(req, self.settings)
+        ids = await ctx.chat_prompt_ids(
+            req.messages, req.add_generation_prompt, plan.template_tools, req.chat_template_kwargs
+        )
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
         requested, max_param = requested_max_tokens(req)
         params = to_sampling_params(
@@ -48,7 +64,7 @@ class ChatHandler:
             max_tokens=resolve_max_tokens(requested, len(ids), ctx.max_model_len, max_param),
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
-        stream = ctx.stream(request_id, ids, params)
+        stream = ctx.stream(request_id, ids, _with_tools(params, plan))
         try:
             await stream.start()
         except Exception as e:
@@ -57,20 +73,31 @@ class ChatHandler:
                 raise RequestError(cause.message, "messages", cause.code) from None
             raise
         if req.stream:
-            return self._stream(req, request_id, stream)
+            return self._stream(req, request_id, stream, plan)
         out = await stream.collect()
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=self._logprobs(req, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            parser = self._parser(plan)
+            msg = fold(parser.feed(c.text, final=True))
+            message = ChatMessageOut(
+                content=msg.content,
+                reasoning_content=msg.reasoning_content,
+                tool_calls=[ToolCallOut.model_validate(call) for call in msg.tool_calls],
             )
-            for c in out.outputs
-        ]
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(req, c.token_ids, c.logprobs),
+                    finish_reason=parser.finish_reason(c.finish_reason),
+                    stop_reason=c.stop_reason,
+                )
+            )
         usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
+
+    def _parser(self, plan: ToolPlan) -> SampleParser:
+        return SampleParser(self.settings.reasoning(), plan.parser, plan.max_calls)
 
     def _logprobs(
         self, req: ChatCompletionRequest, token_ids: list[int], entries: list[PositionLogprobs] | None
@@ -79,7 +106,9 @@ class ChatHandler:
             return None
         return chat_logprobs(token_ids, entries, req.top_logprobs or 0)
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream) -> AsyncIterator[str]:
+    async def _stream(
+        self, req: ChatCompletionRequest, request_id: str, stream: RequestStream, plan: ToolPlan
+    ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
@@ -88,6 +117,7 @@ class ChatHandler:
             return sse(stream_dump(resp, include_usage))
 
         try:
+            parsers = [self._parser(plan) for _ in range(req.n)]
             for i in range(req.n):
                 yield chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
             completion_tokens = 0
@@ -95,15 +125,20 @@ class ChatHandler:
                 for u in delta.samples:
                     completion_tokens += len(u.token_ids)
                     lp = self._logprobs(req, u.token_ids, u.logprobs) if u.logprobs else None
-                    if u.text or lp is not None or u.finish_reason is not None:
-                        content = {"content": u.text} if u.text or lp is not None else {}
+                    parser = parsers[u.index]
+                    deltas: list[dict[str, Any]] = parser.feed(u.text, final=u.finish_reason is not None)
+                    if not deltas and (lp is not None or u.finish_reason is not None):
+                        # logprobs of text held back (a possible tag) still go out with their tokens
+                        deltas = [{"content": ""} if lp is not None else {}]
+                    for k, d in enumerate(deltas):
+                        last = k == len(deltas) - 1
                         yield chunk(
                             ChatStreamChoice(
                                 index=u.index,
-                                delta=content,
-                                logprobs=lp,
-                                finish_reason=u.finish_reason,
-                                stop_reason=u.stop_reason,
+                                delta=d,
+                                logprobs=lp if k == 0 else None,
+                                finish_reason=parser.finish_reason(u.finish_reason) if last else None,
+                                stop_reason=u.stop_reason if last else None,
                             )
                         )
             if include_usage:
@@ -117,3 +152,17 @@ class ChatHandler:
         finally:
             await stream.close()
         yield DONE
+
+
+def _with_tools(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    if plan.constraint is not None:
+        if params.structured_outputs is not None:
+            raise RequestError(
+                f"{plan.constraint.field} constrains the output to tool calls; it cannot be combined with "
+                "response_format or structured_outputs.",
+                plan.constraint.field,
+            )
+        params = dataclasses.replace(params, structured_outputs=plan.constraint)
+    if plan.parser is not None and plan.parser.needs_special_tokens:  # the markup is special tokens (as vLLM)
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import jinja2.meta
+import jinja2.sandbox
 from jinja2.exceptions import TemplateError
 
 from raytp.openai.errors import OpenAIError, bad_request
@@ -100,18 +102,26 @@ class ServingContext:
     async def decode(self, ids: list[int]) -> str:
         return str(await self._off_loop(self.tokenizer.decode, ids))
 
-    async def chat_prompt_ids(self, messages: Iterable[ChatMessageIn], add_generation_prompt: bool) -> list[int]:
-        """The conversation through the model's chat template (as `LLM.chat` does offline)."""
-        # A message's `name` reaches the template (templates that know names use it; others ignore it).
-        convo = [
-            {"role": m.role, "content": _content_text(m), **({"name": m.name} if m.name is not None else {})}
-            for m in messages
-        ]
-        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in convo), "messages")
+    async def chat_prompt_ids(
+        self,
+        messages: Iterable[ChatMessageIn],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The conversation through the model's chat template (as `LLM.chat` does offline), with the
+        request's `tools` and `chat_template_kwargs` (template variables such as enable_thinking)."""
+        convo = [chat_message(m) for m in messages]
+        self._check_chars(sum(map(_chars, convo)) + (_chars(tools) if tools else 0), "messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+        extra = dict(template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
+        if template_kwargs:
+            self._check_template_kwargs(template_kwargs)
         try:
-            ids = await self._off_loop(self._apply_template, convo, add_generation_prompt)
+            ids = await self._off_loop(self._apply_template, convo, add_generation_prompt, extra)
         except TemplateError as e:  # the template's own refusal (raise_exception): its words are for the user
             raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages") from None
         except Exception:  # a Python error inside the template: its text is an internal, not for the client
@@ -119,11 +129,78 @@ class ServingContext:
             raise bad_request("messages could not be rendered by the chat template.", "messages") from None
         return ids
 
-    def _apply_template(self, convo: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=True)
+    def _check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Each key must be a variable the template reads and not one the server sets itself: a key the
+        template never reads would be accepted and ignored."""
+        reserved = sorted(set(kwargs) & _SERVER_TEMPLATE_ARGS)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own fields do.",
+                "chat_template_kwargs",
+            )
+        template = self.tokenizer.chat_template
+        templates = template.values() if isinstance(template, dict) else [template]  # named templates: any
+        unused = sorted(set(kwargs).difference(*map(template_variables, templates)))
+        if unused:
+            raise bad_request(
+                f"chat_template_kwargs {', '.join(unused)}: not read by this model's chat template.",
+                "chat_template_kwargs",
+            )
+
+    def _apply_template(
+        self, convo: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]
+    ) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            convo, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+
+# apply_chat_template's own arguments and the variables the server fills from the request's fields
+_SERVER_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
+     "return_dict", "return_tensors", "continue_final_message", "padding", "truncation", "max_length",
+     "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its context."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+
+
+def chat_message(m: ChatMessageIn) -> dict[str, Any]:
+    """A message as chat templates read it. Earlier tool calls' arguments go in as objects (templates
+    write them with `tojson`), as vLLM passes them; OpenAI sends them as JSON text."""
+    out: dict[str, Any] = {"role": m.role, "content": _content_text(m)}
+    if m.name is not None:  # templates that know names use it; others ignore it
+        out["name"] = m.name
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                raise bad_request(
+                    f"messages: the arguments of tool call {call.id!r} are not JSON.", "messages"
+                ) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": call.type, "function": function})
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _chars(value: Any) -> int:
+    """Characters the template may write for a message or the tools (bounds the prompt's length)."""
+    if isinstance(value, dict) and set(value) == {"role", "content"}:
+        return len(value["role"]) + len(value["content"])
+    return len(json.dumps(value, ensure_ascii=False))
 
 
 def _content_text(m: ChatMessageIn) -> str:

@@ -117,6 +117,70 @@ class CompletionRequest(SamplingFields):
     prompt_embeds: str | list[str] | None = None  # vLLM: refused
 
 
+# ----------------------------------------------------------------------------- tool calling (issue 31, items 3-4)
+# What `raytp/openai/tools.py` turns into the template's `tools`, the output parser and the constraint.
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments ({})
+    strict: bool | None = None  # arguments exactly as the schema says (enforced by a constraint)
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallIn(OpenAIRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI returned it
+
+
+class ToolCallIn(OpenAIRequest):
+    """An assistant message's earlier tool call, sent back in a multi-turn conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ToolFields(OpenAIRequest):
+    """The chat request's tool-calling fields."""
+
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's default)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
+    # OpenAI's deprecated predecessors of tools/tool_choice: refused with a 400 naming them, since a client
+    # that sends them reads `message.function_call`, which raytp does not answer with.
+    functions: list[Any] | None = None
+    function_call: Any = None
+    # Extra variables for the chat template (e.g. enable_thinking); each must be one the template reads.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class FunctionCallOut(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ContentPart(OpenAIRequest):
     type: str
     text: str | None = None
@@ -126,9 +190,12 @@ class ChatMessageIn(OpenAIRequest):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # tool calling: an assistant's calls, and which call a `tool` message answers
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: Count | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Count | None = None
@@ -228,6 +295,8 @@ class ChatLogprobs(OpenAIModel):
 class ChatMessageOut(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with a reasoning parser: the text before the end of reasoning
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -249,7 +318,8 @@ class ChatCompletionResponse(OpenAIModel):
 
 class ChatStreamChoice(OpenAIModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}; {} on the closing chunk
+    # {"role": ...} first, then {"content": ...}, {"reasoning_content": ...} or {"tool_calls": [...]}; {} at the end
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
