@@ -85,9 +85,7 @@ class BatchReplica:
         for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
             # Named so operators (and tests) find a batch job's engines in `ray list actors`.
             name = f"{CONTROLLER_PREFIX}{uuid.uuid4().hex[:12]}"
-            self.controller = EngineController.options(name=name).remote(
-                self._config, model_name=self._model_name
-            )
+            self.controller = EngineController.options(name=name).remote(self._config, model_name=self._model_name)
             try:
                 info = ray.get(self.controller.model_info.remote())
                 break

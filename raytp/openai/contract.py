@@ -88,6 +88,10 @@ CHAT: dict[str, Refusal] = {
     "documents": Refusal(_absent, "raytp's chat templates take no documents."),
     "chat_template": Refusal(_absent, "raytp renders with the model's own chat template."),
     "mm_processor_kwargs": Refusal(_absent, "raytp serves text-only models."),
+    # Legacy clients read `message.function_call`, which raytp does not return: refuse rather than answer
+    # in a shape they ignore.
+    "functions": Refusal(_absent, "functions is deprecated; send tools."),
+    "function_call": Refusal(_absent, "function_call is deprecated; send tool_choice."),
 }
 
 

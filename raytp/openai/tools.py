@@ -36,9 +36,7 @@ class ToolPlan:
 
 def plan_tools(req: ToolFields, settings: ChatSettings) -> ToolPlan:
     """Raises RequestError (a 400 naming the field) for a combination vLLM refuses too."""
-    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-        if getattr(req, legacy) is not None:
-            raise RequestError(f"{legacy} is deprecated and not supported; use {current}.", legacy)
+    # The deprecated functions/function_call are refused with the other unsupported fields (contract.py).
     tools = req.tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):

@@ -40,8 +40,12 @@ from tests.helpers.tiny_models import save_byte_tokenizer
 MAX_MODEL_LEN = 64
 NAME = "tiny"
 # The tiny byte tokenizer's template, plus message names (so `name` can be seen reaching the template).
+# Tools, earlier tool calls, tool results and one template variable (`flag`, for chat_template_kwargs) show too.
 TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}{% if m['name'] %}({{ m['name'] }}){% endif %}: {{ m['content'] }}\n"
+    "{% if tools %}tools: {{ tools | length }}\n{% endif %}{% if flag %}flag\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}{% if m['name'] %}({{ m['name'] }}){% endif %}: {{ m['content'] }}"
+    "{% if m['tool_calls'] %} calls: {{ m['tool_calls'] | length }}{% endif %}"
+    "{% if m['tool_call_id'] %} for: {{ m['tool_call_id'] }}{% endif %}\n"
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
@@ -128,6 +132,8 @@ BASE = {
 }
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 TAG = {"begin": "<a>", "schema": SCHEMA, "end": "</a>"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def top(value: Any) -> tuple[dict[str, Any], Any]:
@@ -210,6 +216,17 @@ PROBES: dict[tuple[str, str], tuple[dict[str, Any], Any]] = {
     ("chat", "documents"): top([{"text": "d"}]),
     ("chat", "chat_template"): top("{{ 1 }}"),
     ("chat", "mm_processor_kwargs"): top({"a": 1}),
+    ("chat", "tools"): ({"tool_choice": "none"}, [TOOL]),
+    ("chat", "tool_choice"): (
+        {"tools": [TOOL], "tool_choice": "none"},
+        {"type": "function", "function": {"name": "f"}},
+    ),
+    ("chat", "parallel_tool_calls"): ({"tools": [TOOL], "tool_choice": "required"}, False),
+    ("chat", "functions"): top([{"name": "f", "parameters": SCHEMA}]),
+    ("chat", "function_call"): top("auto"),
+    ("chat", "chat_template_kwargs"): top({"flag": True}),
+    ("ChatMessageIn", "tool_calls"): ({"role": "assistant", "content": "hi"}, [CALL]),
+    ("ChatMessageIn", "tool_call_id"): ({"role": "tool", "content": "hi"}, "c1"),
     # nested models: (the parent body both sides share, the field's value)
     ("StreamOptions", "include_usage"): ({}, True),
     ("StreamOptions", "include_obfuscation"): ({}, False),
