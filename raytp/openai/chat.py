@@ -41,6 +41,8 @@ from raytp.openai.tools import ToolPlan, plan_tools
 from scheduler.errors import RequestError
 from scheduler.sampling_params import SamplingParams
 
+_REASONING_TAIL_TOKENS = 32
+
 
 class ChatHandler:
     def __init__(self, ctx: ServingContext, settings: ChatSettings | None = None) -> None:
@@ -64,7 +66,7 @@ class ChatHandler:
             max_tokens=resolve_max_tokens(requested, len(ids), ctx.max_model_len, max_param),
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
-        stream = ctx.stream(request_id, ids, _with_tools(params, plan))
+        stream = ctx.stream(request_id, ids, self._after_reasoning(_with_tools(params, plan), ids))
         try:
             await stream.start()
         except Exception as e:
@@ -95,6 +97,21 @@ class ChatHandler:
             )
         usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
+
+    def _after_reasoning(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+        """With a reasoning parser, a constraint applies to the answer, after the reasoning ends (as in vLLM),
+        unless the prompt already ended it (Qwen3's template with enable_thinking=false closes the section)."""
+        reasoning = self.settings.reasoning()
+        spec = params.structured_outputs
+        if reasoning is None or spec is None:
+            return params
+        # The template's own markers sit at the prompt's end; a few dozen tokens hold them.
+        tail = self.ctx.tokenizer.decode(prompt_ids[-_REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+        if tail.rfind(reasoning.end) > tail.rfind(reasoning.start) >= 0 or (
+            reasoning.end in tail and reasoning.start not in tail
+        ):
+            return params
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, start_after=reasoning.end))
 
     def _parser(self, plan: ToolPlan) -> SampleParser:
         return SampleParser(self.settings.reasoning(), plan.parser, plan.max_calls)

@@ -390,3 +390,22 @@ def test_template_kwargs_with_named_templates() -> None:
     with pytest.raises(OpenAIError, match="not read") as e:
         asyncio.run(ctx.chat_prompt_ids(msgs, True, None, {"other": 1}))
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_a_constraint_waits_for_the_reasoning_to_end(tokenizer: Any) -> None:
+    """With a reasoning parser the constraint starts after `</think>`, unless the prompt already closed the
+    reasoning section (Qwen3's template with enable_thinking=false); without one it starts at once."""
+    engine = FakeEngine(['{"a": 1}'])
+    fmt = {"type": "json_object"}
+    respond(handler(tokenizer, engine, reasoning_parser="deepseek_r1"), response_format=fmt)
+    assert engine.params is not None and engine.params.structured_outputs is not None
+    assert engine.params.structured_outputs.start_after == "</think>"
+    respond(handler(tokenizer, engine), response_format=fmt)
+    assert engine.params.structured_outputs is not None and engine.params.structured_outputs.start_after is None
+    template = tokenizer.chat_template
+    tokenizer.chat_template = template + "<think>\n\n</think>\n\n"
+    try:
+        respond(handler(tokenizer, engine, reasoning_parser="qwen3"), response_format=fmt)
+    finally:
+        tokenizer.chat_template = template
+    assert engine.params.structured_outputs is not None and engine.params.structured_outputs.start_after is None
