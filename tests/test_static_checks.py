@@ -62,7 +62,8 @@ CONTROL_PLANE = [
     "raytp.openai.completions",
     "raytp.openai.chat",
     "raytp.cli.main",
-    "serve_app",  # the HTTP ingress and the model-replica deployment
+    "serve_app",  # the Serve application as `serve run` names it
+    "raytp.serve",  # the HTTP ingress and the model-replica deployment
     "raytp.cli.batch",  # the batch driver and its engine replicas (Ray Data actors)
     "raytp.batch.runner",
     "raytp.batch.replica",

@@ -21,7 +21,7 @@ from cluster.config import EngineConfig
 from raytp.cli.args import add_engine_args
 
 if TYPE_CHECKING:
-    from serve_app import ServeArgs
+    from raytp.serve.args import ServeArgs
 
 APP_NAME = "raytp"
 
@@ -84,7 +84,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
 
     from cluster.ray_utils import ensure_ray
     from raytp.openai.request_id import enable_proxy_guard
-    from serve_app import ServeArgs, build_app, use_serve_defaults
+    from raytp.serve import ServeArgs, build_app, use_serve_defaults
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
     _check_model(sa.engine)

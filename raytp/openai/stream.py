@@ -3,7 +3,7 @@
 The handlers talk to an `EngineClient`: anything that streams a request's deltas and aborts the
 request when the stream is closed early. The ingress holds a `ModelReplicaClient` (an EngineClient
 that also answers health, model info and stats): the model replica in its own process
-(`serve_app.ModelReplica`, the default), or `ServeEngineClient`, which reaches the replicas of a
+(`raytp.serve.replica.ModelReplica`, the default), or `ServeEngineClient`, which reaches the replicas of a
 separate `LLMServer` deployment (Serve balances across them); batch jobs bring their own client. The
 deltas already carry text, stop-string trimming, logprobs and finish reasons (the engine's one
 output road), so nothing here decodes or decides anything.
@@ -41,8 +41,6 @@ class ModelReplicaClient(EngineClient, Protocol):
 
     async def model_info(self) -> dict[str, Any]: ...
 
-    async def get_stats(self) -> dict[str, Any]: ...
-
 
 class ServeEngineClient:
     """The model replicas of an `LLMServer` deployment, through its handle."""
@@ -57,10 +55,6 @@ class ServeEngineClient:
     async def model_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await self._handle.model_info.remote()
         return info
-
-    async def get_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self._handle.get_stats.remote()
-        return stats
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -17,7 +17,7 @@ from raytp.openai.app import build_api
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
 from raytp.openai.protocol import DetokenizeRequest
 from raytp.openai.request_id import MAX_LEN, ProxyRequestIdGuard, is_safe, request_id_of
-from serve_app import ServeArgs
+from raytp.serve import ServeArgs
 
 KEY = "k"
 AUTH = (b"authorization", b"Bearer k")
@@ -25,9 +25,7 @@ JSON = (b"content-type", b"application/json")
 
 
 def make_app(api_key: str | None = KEY, max_body_bytes: int = 1000) -> FastAPI:
-    app = build_api()
-    app.state.api_key = api_key
-    app.state.max_body_bytes = max_body_bytes
+    app = build_api(api_key, max_body_bytes)
 
     @app.post("/v1/echo")
     async def echo(body: DetokenizeRequest) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from cluster.outputs import Logprob
 from raytp.openai.errors import EngineOverloadedError, request_failed, to_openai_error, validation_error
 from raytp.openai.logprobs import chat_logprobs, completion_logprobs
 from raytp.openai.protocol import CompletionRequest
+from raytp.serve import ServeArgs, build_app
 from scheduler.errors import PromptTooLongError, RequestError
-from serve_app import ServeArgs, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
