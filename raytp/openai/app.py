@@ -8,8 +8,8 @@ request meets first lives here:
   `/v1/*` path, known route or not (401 before anything else, as vLLM guards `/v1`), then
   `Content-Type: application/json` (415) and the body size limit (413).
 - exception handlers: every failure becomes OpenAI's error shape (`errors.py` decides the status).
-- routes: the POST routes declare their pydantic request models as bodies, so `/openapi.json` states
-  the real contract.
+- routes: the POST routes come from the route table (routes.py), each declaring its pydantic request
+  model as its body, so `/openapi.json` states the real contract; the GET routes are the app's own.
 """
 
 from __future__ import annotations
@@ -21,25 +21,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from cluster.metrics.endpoint import CONTENT_TYPE, application_metrics
-from raytp.openai.chat import ChatHandler
-from raytp.openai.completions import CompletionHandler
 from raytp.openai.context import SSE_HEADERS, ServingContext
 from raytp.openai.errors import OpenAIError, to_openai_error, validation_error
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from raytp.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from raytp.openai.protocol import ModelCard, ModelList
 from raytp.openai.request_id import request_id_of
-from raytp.openai.tokenize import DetokenizeHandler, TokenizeHandler
+from raytp.openai.routes import ROUTES, Handler, Route, handlers
 
 HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
 
@@ -88,31 +80,21 @@ def openai_app(
         card = ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
         return json_response(ModelList(data=[card]))
 
-    completion_handler, chat_handler = CompletionHandler(ctx), ChatHandler(ctx)
-    tokenize_handler, detokenize_handler = TokenizeHandler(ctx), DetokenizeHandler(ctx)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return respond(await completion_handler.create(body, _request_id("cmpl", raw)))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return respond(await chat_handler.create(body, _request_id("chatcmpl", raw)))
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, raw: Request) -> Response:
-        return respond(await tokenize_handler.create(body, _request_id("tokenize", raw)))
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, raw: Request) -> Response:
-        return respond(await detokenize_handler.create(body, _request_id("detokenize", raw)))
-
+    bound = handlers(ctx)
+    for route in ROUTES:
+        endpoint = _endpoint(route, bound[route.path])
+        app.add_api_route(route.path, endpoint, methods=[route.method], name=route.handler.__name__)
     return app
 
 
-def _request_id(prefix: str, raw: Request) -> str:
-    """The body's `id`: the prefix and the request's `X-Request-Id` (raytp/openai/request_id.py)."""
-    return f"{prefix}-{request_id_of(raw.headers.raw)}"
+def _endpoint(route: Route, handler: Handler) -> Callable[[BaseModel, Request], Awaitable[Response]]:
+    async def endpoint(body: BaseModel, raw: Request) -> Response:
+        # The body's `id`: the row's prefix and the request's `X-Request-Id` (raytp/openai/request_id.py).
+        return respond(await handler.create(body, f"{route.id_prefix}-{request_id_of(raw.headers.raw)}"))
+
+    # FastAPI validates the body against the annotated model (and /openapi.json states it): the row's own.
+    endpoint.__annotations__["body"] = route.request
+    return endpoint
 
 
 def respond(result: Any) -> Response:

@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 
 from jinja2.exceptions import TemplateError
 
+from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import OpenAIError, bad_request
 from raytp.openai.protocol import ChatMessageIn
-from raytp.openai.stream import EngineClient, RequestStream
+from raytp.openai.stream import RequestStream
 from scheduler.errors import PromptTooLongError
 from scheduler.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 from model_exec.source import load_tokenizer, resolve_model
 from raytp.openai.app import openai_app
 from raytp.openai.context import ServingContext, max_token_chars
-from raytp.openai.stream import ModelReplicaClient, ServeEngineClient
+from raytp.openai.engine_client import EngineClient, ServeEngineClient
 from raytp.serve.args import ServeArgs
 from raytp.serve.replica import ModelReplica
 
@@ -31,7 +31,7 @@ class OpenAIIngress:
         self._args = args.api_key_from_env()
         source = resolve_model(args.engine.model, args.engine.revision)
         self._local: ModelReplica | None = None
-        self.replica: ModelReplicaClient
+        self.replica: EngineClient
         if server is None:
             self._local = await ModelReplica.start(args)
             self.replica = self._local
