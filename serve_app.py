@@ -19,7 +19,7 @@ The application lives in `raytp/serve/`, the routes and handlers in `raytp/opena
 this file.
 """
 
-from raytp.serve import build_app
+from raytp.serve.app import build_app
 
 __all__ = ["app", "build_app"]
 

@@ -29,7 +29,7 @@ CONTROL_PLANE = [
     "raytp.openai.chat",
     "raytp.cli.main",
     "serve_app",  # the Serve application as `serve run` names it
-    "raytp.serve",  # the HTTP ingress and the model-replica deployment
+    "raytp.serve.app",  # the HTTP ingress and the model-replica deployment
     "raytp.openai.routes",  # the route table and every handler
     "raytp.batch.input",  # batch validation (the route table's urls)
     "raytp.cli.batch",  # the batch driver and its engine replicas (Ray Data actors)

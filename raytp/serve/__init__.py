@@ -6,9 +6,5 @@
     app.py       build_app: the deployment graph
 
 `serve_app.py` at the top of the repository names `build_app` for `serve run` and the Helm chart.
+Nothing is imported here: the CLI reads `args` without paying for Ray Serve and FastAPI.
 """
-
-from raytp.serve.app import build_app
-from raytp.serve.args import SERVE_ENV_DEFAULTS, ServeArgs, use_serve_defaults
-
-__all__ = ["SERVE_ENV_DEFAULTS", "ServeArgs", "build_app", "use_serve_defaults"]

@@ -56,25 +56,37 @@ def use_serve_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+def _arg(default: Any, help: str) -> Any:
+    """A ServeArgs field with the help text its `raytp serve` flag shows (raytp/cli/args.py)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ServeArgs:
-    """`build_app`'s arguments: every EngineConfig field, plus the deployment's own."""
+    """`build_app`'s arguments: every EngineConfig field, plus the deployment's own. `raytp serve` has one
+    flag per field (the engine's from EngineConfig), named as the field."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    served_model_name: str | None = None  # None: the model's own name
-    num_replicas: int | None = None  # None with no autoscaling_config: 1
-    autoscaling_config: dict[str, Any] | None = None  # Serve's AutoscalingConfig, for the model replicas
+    served_model_name: str | None = _arg(None, "the name clients send as `model` (default: the model's own)")
+    num_replicas: int | None = _arg(None, "model replicas (default 1; exclusive with --autoscaling-config)")
+    autoscaling_config: dict[str, Any] | None = _arg(None, "Serve AutoscalingConfig of the model replicas, as JSON")
     # Decision (README, "Serving hops"): by default each model replica is an `OpenAIIngress` replica that
     # hosts its engine loop, so a streamed token crosses no Ray message between engine and HTTP response.
     # split_ingress: the model replicas form an `LLMServer` deployment of their own behind
     # `ingress_replicas` ingress replicas (HTTP, tokenizer and engines scale apart, one Ray hop per token).
-    split_ingress: bool = False
-    ingress_replicas: int | None = None  # split_ingress only; None: 1
-    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS  # per replica, every deployment
-    max_waiting_requests: int | None = None  # 503 once a replica's waiting queue holds this many
-    api_key: str | None = None  # None: RAYTP_API_KEY where the app is built, else in the ingress replica
-    health_check_period_s: float | None = None  # None: Serve's default
-    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 above this
+    split_ingress: bool = _arg(
+        False,
+        "run the HTTP ingress as its own deployment in front of the model replicas (default: each model "
+        "replica serves HTTP itself, with no Ray hop per streamed token)",
+    )
+    ingress_replicas: int | None = _arg(None, "ingress replicas, with --split-ingress (default 1)")
+    max_ongoing_requests: int = _arg(DEFAULT_MAX_ONGOING_REQUESTS, "requests in flight per replica (Serve's limit)")
+    max_waiting_requests: int | None = _arg(None, "503 once this many requests wait in a replica for a first token")
+    api_key: str | None = _arg(
+        None, f"require `Authorization: Bearer KEY` on /v1 (default: {API_KEY_ENV}, where the app is built or runs)"
+    )
+    health_check_period_s: float | None = _arg(None, "seconds between Serve's replica health checks")
+    max_request_body_bytes: int = _arg(DEFAULT_MAX_BODY_BYTES, "413 for larger request bodies (default 4 MiB)")
 
     def __post_init__(self) -> None:
         if self.num_replicas is not None and self.autoscaling_config is not None:

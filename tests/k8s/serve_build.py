@@ -23,7 +23,7 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
     from ray.serve.handle import DeploymentHandle
 
     from cluster.config import EngineConfig
-    from raytp.serve import ServeArgs
+    from raytp.serve.args import ServeArgs
 
     def engine_configs(init_args: tuple[Any, ...]) -> list[EngineConfig]:
         """The EngineConfig of the model replica a deployment hosts: LLMServer's, or the ingress's when it is

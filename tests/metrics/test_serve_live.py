@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from cluster.metrics import dashboard
-from raytp.serve import build_app
+from raytp.serve.app import build_app
 from tests.metrics.prom import PROMETHEUS, PROMETHEUS_MISSING, Prometheus, free_port, job
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROMETHEUS is None, reason=PROMETHEUS_MISSING)]

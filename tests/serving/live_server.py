@@ -20,7 +20,7 @@ import requests
 from ray import serve
 
 from raytp.openai.request_id import enable_proxy_guard
-from raytp.serve import build_app
+from raytp.serve.app import build_app
 from tests.helpers.ports import free_port
 from tests.helpers.serve_env import serve_defaults
 

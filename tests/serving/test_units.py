@@ -15,7 +15,8 @@ from cluster.outputs import Logprob
 from raytp.openai.errors import EngineOverloadedError, request_failed, to_openai_error, validation_error
 from raytp.openai.logprobs import chat_logprobs, completion_logprobs
 from raytp.openai.protocol import CompletionRequest
-from raytp.serve import ServeArgs, build_app
+from raytp.serve.app import build_app
+from raytp.serve.args import ServeArgs
 from scheduler.errors import PromptTooLongError, RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
