@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from cluster.config import EngineConfig, default_kv_cache_bytes
+from cluster.device import resolve_device
 from cluster.metrics.ray_metrics import WorkerMetrics
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
@@ -81,7 +82,7 @@ class Worker:
             rank=self.rank,
             world_size=self.world_size,
             dist_init_method=dist_init_method,
-            device=cfg.device,
+            device=resolve_device(cfg),  # the engine's answer: `auto` was resolved before this worker started
             dtype=cfg.dtype,
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
