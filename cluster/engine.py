@@ -25,7 +25,7 @@ from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
 from kv import BlockManager
 from model_exec.config import ModelConfig
-from model_exec.source import load_tokenizer, read_model_config, resolve_model
+from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -81,6 +81,16 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     )
 
 
+def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
+    """The model as the engine will run it (no weights read), refused (ValueError) when
+    `tensor_parallel_size` cannot split its heads: the one place that check runs, for the engine and
+    for `raytp serve`'s check before it starts Ray."""
+    source = resolve_model(config.model, config.revision)
+    model_config = read_model_config(source, config.trust_remote_code)
+    model_config.check_tp(config.tensor_parallel_size)
+    return source, model_config
+
+
 def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for."""
     if config.executor_backend == "inprocess":
@@ -98,9 +108,7 @@ class LLMEngine:
         config: EngineConfig,
         executor_factory: Callable[[EngineConfig, ModelConfig], Executor] = make_executor,
     ) -> None:
-        source = resolve_model(config.model, config.revision)
-        self.model_config = read_model_config(source, config.trust_remote_code)
-        self.model_config.check_tp(config.tensor_parallel_size)
+        source, self.model_config = read_checked_model(config)
         self.config = resolve_config(config, self.model_config)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)

@@ -97,7 +97,6 @@ class ModelShard:
             assert dist_init_method is not None
             backend: Literal["gloo", "nccl"] = "nccl" if self.device.type == "cuda" else "gloo"
             self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
-        model_config.check_tp(world_size)
         torch_dtype = resolve_dtype(dtype, model_config, self.device)
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
         model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)

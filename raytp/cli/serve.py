@@ -121,10 +121,9 @@ def _print_scrape_targets(base: str) -> None:
 def _check_model(engine: EngineConfig) -> None:
     """Fail fast (ValueError -> exit 2) on a model that cannot be found or split, before Ray starts:
     inside Serve the same error would surface only as replica constructor retries."""
-    from model_exec.source import read_model_config, resolve_model
+    from cluster.engine import read_checked_model
 
-    source = resolve_model(engine.model, engine.revision)
-    read_model_config(source, engine.trust_remote_code).check_tp(engine.tensor_parallel_size)
+    read_checked_model(engine)
 
 
 def _teardown(joined: bool) -> None:
