@@ -119,3 +119,15 @@ class EngineConfig:
     @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * _GiB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedEngineConfig(EngineConfig):
+    """An EngineConfig whose model- and device-dependent defaults are decided: built once, by
+    `cluster.engine.resolve_config`, before any worker starts; the engine, its executor and its workers
+    run with it. None of these fields is None or `auto` (each must be given: no defaults)."""
+
+    device: Literal["cpu", "cuda"] = field()
+    max_model_len: int = field()
+    max_num_batched_tokens: int = field()
+    block_size: int = field()

@@ -3,7 +3,7 @@
 The loop owns the LLMEngine (scheduler, block manager, output processor, executor -> TP
 worker actors). It runs in two homes, the same code in both:
 
-- in a Serve replica's own process (`serve_app.ModelReplica`: by default the ingress replica that serves
+- in a Serve replica's own process (`raytp.serve.replica.ModelReplica`: by default the ingress replica that serves
   HTTP, else an `LLMServer` replica), where each token reaches the request's stream through an
   asyncio.Queue, with no Ray message between engine and server;
 - as the `EngineController` Ray actor (batch replicas, tests), where callers open one Ray stream per

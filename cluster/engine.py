@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import default_block_size, resolve_device
 from cluster.executor import Executor
 from cluster.output_processor import OutputProcessor
@@ -26,7 +26,7 @@ from cluster.outputs import RequestDelta
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig
-from model_exec.source import load_tokenizer, read_model_config, resolve_model
+from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -51,8 +51,8 @@ class EngineDeadError(RuntimeError):
     """A worker failed; the engine cannot serve any more requests."""
 
 
-def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    """Fill the knobs whose defaults depend on the model or the device."""
+def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
+    """Decide the knobs whose defaults depend on the model or the device."""
     max_model_len = model_config.max_position_embeddings
     window = model_config.sliding_window
     if window is not None and window < max_model_len:
@@ -77,12 +77,22 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
         budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
     device = resolve_device(config)
     block_size = config.block_size if config.block_size is not None else default_block_size(device)
-    return dataclasses.replace(
-        config, device=device, max_model_len=max_model_len, max_num_batched_tokens=budget, block_size=block_size
-    )
+    given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
+    resolved = {"device": device, "max_model_len": max_model_len, "max_num_batched_tokens": budget}
+    return ResolvedEngineConfig(**{**given, **resolved, "block_size": block_size})
 
 
-def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
+    """The model as the engine will run it (no weights read), refused (ValueError) when
+    `tensor_parallel_size` cannot split its heads: the one place that check runs, for the engine and
+    for `raytp serve`'s check before it starts Ray."""
+    source = resolve_model(config.model, config.revision)
+    model_config = read_model_config(source, config.trust_remote_code)
+    model_config.check_tp(config.tensor_parallel_size)
+    return source, model_config
+
+
+def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig) -> Executor:
     """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for."""
     if config.executor_backend == "inprocess":
         from cluster.executor import InProcessExecutor
@@ -97,25 +107,21 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        executor_factory: Callable[[EngineConfig, ModelConfig], Executor] = make_executor,
+        executor_factory: Callable[[ResolvedEngineConfig, ModelConfig], Executor] = make_executor,
     ) -> None:
-        source = resolve_model(config.model, config.revision)
-        self.model_config = read_model_config(source, config.trust_remote_code)
-        self.model_config.check_tp(config.tensor_parallel_size)
+        source, self.model_config = read_checked_model(config)
         self.config = resolve_config(config, self.model_config)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.executor = executor_factory(self.config, self.model_config)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         self.executor.init_cache(num_device_blocks, num_cpu_blocks)
-        assert self.config.block_size is not None  # resolve_config filled it
         self.block_manager = BlockManager(
             block_size=self.config.block_size,
             num_device_blocks=num_device_blocks,
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
-        assert self.config.max_model_len is not None and self.config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.config.max_model_len,
@@ -149,7 +155,6 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        assert self.config.max_model_len is not None
         return self.config.max_model_len
 
     # ------------------------------------------------------------------ requests

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from cluster.config import EngineConfig
+from cluster.config import ResolvedEngineConfig
 from cluster.worker import Worker
 from model_exec.config import ModelConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -39,7 +39,7 @@ class Executor(ABC):
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: ResolvedEngineConfig, model_config: ModelConfig) -> None:
         self.worker = Worker(config, model_config)
         self.worker.load_model()
 

@@ -36,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig
+from cluster.config import ResolvedEngineConfig
 from cluster.executor import Executor
 from cluster.placement import create_placement_group, new_group_name, worker_bundle
 from cluster.ray_utils import ensure_ray, env_float
@@ -59,7 +59,7 @@ class RankFailedError(RuntimeError):
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: ResolvedEngineConfig, model_config: ModelConfig) -> None:
         ensure_ray()
         self.world_size = config.tensor_parallel_size
         self.step_timeout_s = env_float("RAYTP_STEP_TIMEOUT_S", 60.0)
@@ -87,7 +87,7 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
-    def _start(self, config: EngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
+    def _start(self, config: ResolvedEngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
         actor_cls = ray.remote(concurrency_groups={"control": 1})(Worker)  # type: ignore[call-overload]
         rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
         for rank in range(self.world_size):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from cluster.config import EngineConfig, default_kv_cache_bytes
+from cluster.config import ResolvedEngineConfig, default_kv_cache_bytes
 from cluster.metrics.ray_metrics import WorkerMetrics
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
@@ -43,7 +43,7 @@ class NodeInfo:
 class Worker:
     def __init__(
         self,
-        config: EngineConfig,
+        config: ResolvedEngineConfig,
         model_config: ModelConfig,  # resolved once by the controller
         rank: int = 0,
         world_size: int = 1,
@@ -74,14 +74,13 @@ class Worker:
         from model_exec.shard import ModelShard
 
         cfg = self.config
-        assert cfg.block_size is not None, "the engine resolves block_size before it starts workers"
         self.shard = ModelShard(
             resolve_model(cfg.model, cfg.revision),
             self.model_config,
             rank=self.rank,
             world_size=self.world_size,
             dist_init_method=dist_init_method,
-            device=cfg.device,
+            device=cfg.device,  # the engine's answer: `auto` was resolved before this worker started
             dtype=cfg.dtype,
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
@@ -101,7 +100,6 @@ class Worker:
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override, num_cpu
         if shard.device.type == "cuda":
-            assert cfg.max_num_batched_tokens is not None, "the engine resolves it before workers start"
             blocks = shard.profile_cuda_blocks(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.gpu_memory_utilization)
             return blocks, num_cpu
         budget = kv_cache_bytes or cfg.kv_cache_memory_bytes or default_kv_cache_bytes()

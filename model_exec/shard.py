@@ -36,13 +36,14 @@ _DTYPE_NAMES = {
 }
 
 
-def resolve_device(device: str) -> torch.device:
-    """ "auto": CUDA when visible, else the CPU."""
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for, but no CUDA device is visible.")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def torch_device(device: Literal["cpu", "cuda"]) -> torch.device:
+    """The torch device of a device the engine already decided (`auto` is resolved once, before any worker
+    starts: cluster/device.py), here where the worker runs."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but no CUDA device is visible.")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -78,14 +79,14 @@ class ModelShard:
         rank: int,
         world_size: int,
         dist_init_method: str | None,
-        device: str,
+        device: Literal["cpu", "cuda"],
         dtype: str,
         attention_backend: str,
         block_size: int,
         panel_gemm: bool = True,
     ) -> None:
         """Join the TP group, build this rank's shard on its device and stream its weights in."""
-        self.device = resolve_device(device)
+        self.device = torch_device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:  # every step's activations come from malloc: keep them off fresh pages
@@ -96,7 +97,6 @@ class ModelShard:
             assert dist_init_method is not None
             backend: Literal["gloo", "nccl"] = "nccl" if self.device.type == "cuda" else "gloo"
             self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
-        model_config.check_tp(world_size)
         torch_dtype = resolve_dtype(dtype, model_config, self.device)
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
         model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)

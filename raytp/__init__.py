@@ -5,8 +5,10 @@
 The same names as vLLM's top-level package, so code moves over by changing the import.
 
     raytp/llm.py      LLM: offline batched generation over the engine's output stream
-    raytp/cli/        the `raytp` command (generate, serve)
-    raytp/openai/     the OpenAI protocol, request handlers and the FastAPI app (serve_app.py deploys them)
+    raytp/cli/        the `raytp` command (generate, serve, batch)
+    raytp/openai/     the OpenAI protocol, the route table, request handlers and the FastAPI app
+    raytp/serve/      the Ray Serve application that deploys them (serve_app.py names it)
+    raytp/batch/      batch jobs: OpenAI batch files and Ray Datasets through the same handlers
 """
 
 from cluster.config import EngineConfig

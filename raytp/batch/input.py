@@ -1,7 +1,8 @@
 """Reading an OpenAI batch file line by line, and validating all of it before any compute.
 
-A line is `{"custom_id", "method": "POST", "url", "body"}`. Structural faults (broken JSON, a missing
-or mistyped field, an unknown url, a duplicate `custom_id`) refuse the whole job, each reported as
+A line is `{"custom_id", "method": "POST", "url", "body"}`, where `url` is any route of the server's route
+table (raytp/openai/routes.py). Structural faults (broken JSON, a missing or mistyped field, an unknown
+url, a duplicate `custom_id`) refuse the whole job, each reported as
 OpenAI's `BatchError{code, message, param, line}` with its 1-based line number. The body's own fields
 are *not* checked here: they are validated by the HTTP server's request models at run time, so a bad
 body becomes that row's error line (the 400 the server would answer) and the job goes on.
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-URLS = ("/v1/completions", "/v1/chat/completions")
+from raytp.openai.routes import ROUTES_BY_PATH
+
 MAX_LISTED_ERRORS = 1000  # a refused file lists at most this many errors (the count is exact)
 
 
@@ -59,11 +61,13 @@ def parse_line(line_no: int, text: str) -> BatchRow | BatchError:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         return BatchError("missing_required_parameter", "custom_id must be a non-empty string.", "custom_id", line_no)
-    if obj.get("method") != "POST":
-        return BatchError("invalid_method", "method must be POST.", "method", line_no)
     url = obj.get("url")
-    if url not in URLS:
-        return BatchError("invalid_url", f"url must be one of {', '.join(URLS)}; got {url!r}.", "url", line_no)
+    route = ROUTES_BY_PATH.get(url) if isinstance(url, str) else None
+    if route is None:
+        urls = ", ".join(ROUTES_BY_PATH)
+        return BatchError("invalid_url", f"url must be one of {urls}; got {url!r}.", "url", line_no)
+    if obj.get("method") != route.method:
+        return BatchError("invalid_method", f"method must be {route.method}.", "method", line_no)
     body = obj.get("body")
     if not isinstance(body, dict):
         return BatchError("missing_required_parameter", "body must be a JSON object.", "body", line_no)

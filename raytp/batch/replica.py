@@ -1,9 +1,9 @@
 """One engine replica as a Ray Data actor: answers rows with the HTTP server's own handlers.
 
-Each replica owns an `EngineController` actor (which owns its TP workers); a row's body is parsed by
-the server's request models and answered by `CompletionHandler` / `ChatHandler` over a client that
-reads the controller's `RequestDelta` stream, so a batch body is byte-for-byte what the HTTP route
-returns for the same request (ids and timestamps aside). Nothing here builds a response itself.
+Each replica owns an `EngineController` actor (which owns its TP workers); a row is answered by its
+url's row of the route table (raytp/openai/routes.py): the body parsed by that route's request model,
+answered by that route's handler over an `ActorEngineClient`, so a batch body is byte-for-byte what the
+HTTP route returns for the same request (ids and timestamps aside). Nothing here builds a response itself.
 
 Decision: a row whose engine died (503 engine_unavailable) is returned with `done=False`: the driver
 does not journal it and hands it out again, and this replica starts a fresh controller first.
@@ -14,53 +14,23 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import ray
-from pydantic import ValidationError
+from pydantic import BaseModel
 
 from cluster.config import EngineConfig
-from cluster.engine import EngineDeadError
-from cluster.outputs import RequestDelta
 from raytp.batch.input import BatchRow, parse_line
 from raytp.batch.output import output_line
-from raytp.openai.chat import ChatHandler
-from raytp.openai.completions import CompletionHandler
 from raytp.openai.context import ServingContext, max_token_chars
-from raytp.openai.errors import OpenAIError, bad_request, to_openai_error, validation_error
-from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest
-from scheduler.sampling_params import SamplingParams
+from raytp.openai.engine_client import ActorEngineClient
+from raytp.openai.errors import OpenAIError, bad_request, to_openai_error
+from raytp.openai.protocol import SamplingFields
+from raytp.openai.routes import ROUTES_BY_PATH, handlers
 
 CONTROLLER_PREFIX = "raytp-batch-engine-"
 ENGINE_START_ATTEMPTS = 3
-
-
-class ControllerClient:
-    """EngineClient over one controller actor's streaming `generate`."""
-
-    def __init__(self, controller: Any) -> None:
-        self._controller = controller
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestDelta]:
-        finished = False
-        try:
-            stream = self._controller.generate.options(num_returns="streaming").remote(
-                request_id, prompt_token_ids, params
-            )
-            async for ref in stream:
-                delta: RequestDelta = await ref
-                finished = delta.finished
-                yield delta
-        except ray.exceptions.RayActorError as e:
-            finished = True
-            raise EngineDeadError(f"the engine controller died: {e}") from None
-        finally:
-            if not finished:
-                self._controller.abort.remote(request_id)
 
 
 class BatchReplica:
@@ -93,15 +63,14 @@ class BatchReplica:
                 if attempt == ENGINE_START_ATTEMPTS:
                     raise
         self.ctx = ServingContext(
-            client=ControllerClient(self.controller),
+            client=ActorEngineClient(self.controller),
             tokenizer=self._tokenizer,
             model_name=self._model_name,
             max_model_len=int(info["max_model_len"]),
             vocab_size=int(info["vocab_size"]),
             max_token_chars=max_token_chars(self._tokenizer),
         )
-        self._completions = CompletionHandler(self.ctx)
-        self._chat = ChatHandler(self.ctx)
+        self._handlers = handlers(self.ctx)
         self._engine_lost = False
 
     async def _answer(self, line_no: int, text: str) -> tuple[str, str, dict[str, Any], bool]:
@@ -109,20 +78,14 @@ class BatchReplica:
         row = parse_line(line_no, text)
         if not isinstance(row, BatchRow):  # the whole file was validated before the job started
             raise ValueError(f"line {line_no} is not a valid batch row: {row.message}")
-        prefix = "cmpl" if row.url == "/v1/completions" else "chatcmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        route = ROUTES_BY_PATH[row.url]  # parse_line accepts only the table's urls
+        request_id = f"{route.id_prefix}-{uuid.uuid4().hex}"
         try:
-            try:
-                if row.url == "/v1/completions":
-                    req: Any = CompletionRequest.model_validate(row.body)
-                else:
-                    req = ChatCompletionRequest.model_validate(row.body)
-            except ValidationError as e:
-                raise validation_error(e.errors()) from None
-            if req.stream:
+            req = route.parse(row.body)
+            if isinstance(req, SamplingFields) and req.stream:
                 raise bad_request("stream is not supported in batch jobs.", "stream")
-            handler: Any = self._completions if row.url == "/v1/completions" else self._chat
-            resp = await handler.create(req, request_id)
+            resp = await self._handlers[route.path].create(req, request_id)
+            assert isinstance(resp, BaseModel)  # only a streaming request answers with events
             return row.custom_id, row.body_hash, output_line(row.custom_id, request_id, 200, resp.model_dump()), True
         except Exception as e:
             err: OpenAIError = to_openai_error(e, request_id)

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import signal
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cluster.config import EngineConfig
-from raytp.cli.args import add_engine_args
-
-if TYPE_CHECKING:
-    from serve_app import ServeArgs
+from raytp.cli.args import add_config_args, add_engine_args, engine_fields_of
+from raytp.serve.args import ServeArgs
 
 APP_NAME = "raytp"
 
@@ -32,24 +29,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set RAYTP_API_KEY)")
-    p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
-    p.add_argument("--autoscaling-config", type=json.loads, default=None, help="Serve autoscaling config as JSON")
-    p.add_argument(
-        "--split-ingress",
-        action="store_true",
-        default=None,
-        help="run the HTTP ingress as its own deployment in front of the model replicas (default: each model "
-        "replica serves HTTP itself, with no Ray hop per streamed token)",
-    )
-    p.add_argument(
-        "--ingress-replicas", type=int, default=None, help="ingress replicas, with --split-ingress (default 1)"
-    )
-    p.add_argument("--max-waiting-requests", type=int, default=None, help="503 when a replica's queue is this long")
-    p.add_argument(
-        "--max-request-body-bytes", type=int, default=None, help="413 for larger request bodies (default 4 MiB)"
-    )
+    add_config_args(p.add_argument_group("serving"), ServeArgs, skip=("engine",), unset_is_none=True)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -59,19 +39,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve_args_of(args: argparse.Namespace) -> dict[str, Any]:
-    """`build_app`'s arguments from the parsed flags (flags left unset keep ServeArgs' defaults)."""
-    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-    extra = (
-        "served_model_name",
-        "api_key",
-        "num_replicas",
-        "autoscaling_config",
-        "split_ingress",
-        "ingress_replicas",
-        "max_waiting_requests",
-        "max_request_body_bytes",
-    )
-    return {**engine, **{k: getattr(args, k) for k in extra if getattr(args, k) is not None}}
+    """`build_app`'s arguments from the parsed flags (serving flags left unset keep ServeArgs' defaults)."""
+    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs) if f.name != "engine"}
+    return {**engine_fields_of(args), **{k: v for k, v in own.items() if v is not None}}
 
 
 def _url_host(host: str) -> str:
@@ -84,7 +54,8 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
 
     from cluster.ray_utils import ensure_ray
     from raytp.openai.request_id import enable_proxy_guard
-    from serve_app import ServeArgs, build_app, use_serve_defaults
+    from raytp.serve.app import build_app
+    from raytp.serve.args import use_serve_defaults
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
     _check_model(sa.engine)
@@ -150,10 +121,9 @@ def _print_scrape_targets(base: str) -> None:
 def _check_model(engine: EngineConfig) -> None:
     """Fail fast (ValueError -> exit 2) on a model that cannot be found or split, before Ray starts:
     inside Serve the same error would surface only as replica constructor retries."""
-    from model_exec.source import read_model_config, resolve_model
+    from cluster.engine import read_checked_model
 
-    source = resolve_model(engine.model, engine.revision)
-    read_model_config(source, engine.trust_remote_code).check_tp(engine.tensor_parallel_size)
+    read_checked_model(engine)
 
 
 def _teardown(joined: bool) -> None:

@@ -1,38 +1,107 @@
-"""The FastAPI application object of the OpenAI-compatible API: error handlers and the request guard.
+"""The FastAPI app of one ingress replica: the request guard, error handlers, and the routes.
 
-The routes themselves are methods of the `OpenAIIngress` Serve deployment in `serve_app.py`
-(Serve's class-based ingress); they declare their pydantic request models as bodies, so
-`/openapi.json` states the real contract. Everything else a request meets first lives here:
+Built per ingress replica (`build_api` / `openai_app`) from the settings it is given, so nothing is
+written into it afterwards and two applications in one Serve cluster never share one. Everything a
+request meets first lives here:
 
 - `RequestGuard` (`guard.py`, pure ASGI, so it runs before any body is read): the API key on every
   `/v1/*` path, known route or not (401 before anything else, as vLLM guards `/v1`), then
   `Content-Type: application/json` (415) and the body size limit (413).
 - exception handlers: every failure becomes OpenAI's error shape (`errors.py` decides the status).
+- routes: the POST routes come from the route table (routes.py), each declaring its pydantic request
+  model as its body, so `/openapi.json` states the real contract; the GET routes are the app's own.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
+from cluster.metrics.endpoint import CONTENT_TYPE, application_metrics
+from raytp.openai.context import SSE_HEADERS, ServingContext
 from raytp.openai.errors import OpenAIError, to_openai_error, validation_error
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from raytp.openai.protocol import ModelCard, ModelList
 from raytp.openai.request_id import request_id_of
+from raytp.openai.routes import ROUTES, Handler, Route, handlers
 
-API_KEY_ENV = "RAYTP_API_KEY"
+HEALTH_TIMEOUT_S = 10.0  # a replica being replaced must not hang the probe
 
 
-def build_api() -> FastAPI:
+def build_api(api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app with the guard and the error handlers, and no routes yet."""
     app = FastAPI(title="raytp", description="OpenAI-compatible LLM serving on Ray")
-    app.state.api_key = None
-    app.state.max_body_bytes = DEFAULT_MAX_BODY_BYTES
-    app.add_middleware(RequestGuard)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
     install_error_handlers(app)
     return app
+
+
+def openai_app(
+    ctx: ServingContext,
+    health: Callable[[], Awaitable[None]],
+    api_key: str | None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The whole API of one ingress replica over `ctx`; `health` raises when the engine cannot serve."""
+    app = build_api(api_key, max_body_bytes)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text: the raytp and Ray Serve series of every node, as Ray's metrics agents export
+        them (a pass-through, no second aggregation: cluster/metrics/endpoint.py). Not behind the API key,
+        like `vllm serve`'s /metrics. Scrape this or the nodes' metrics ports, not both."""
+        return Response(await application_metrics(), media_type=CONTENT_TYPE)
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        try:
+            await asyncio.wait_for(health(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return OpenAIError(
+                "The engine did not answer in time.", 503, "server_error", code="engine_unavailable"
+            ).response()
+        except Exception as e:
+            err = to_openai_error(e)
+            if err.status < 500:  # whatever went wrong, the engine is not healthy
+                err = OpenAIError(err.message, 503, "server_error", code="engine_unavailable")
+            return err.response()
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    bound = handlers(ctx)
+    for route in ROUTES:
+        endpoint = _endpoint(route, bound[route.path])
+        app.add_api_route(route.path, endpoint, methods=[route.method], name=route.handler.__name__)
+    return app
+
+
+def _endpoint(route: Route, handler: Handler) -> Callable[[BaseModel, Request], Awaitable[Response]]:
+    async def endpoint(body: BaseModel, raw: Request) -> Response:
+        # The body's `id`: the row's prefix and the request's `X-Request-Id` (raytp/openai/request_id.py).
+        return respond(await handler.create(body, f"{route.id_prefix}-{request_id_of(raw.headers.raw)}"))
+
+    # FastAPI validates the body against the annotated model (and /openapi.json states it): the row's own.
+    endpoint.__annotations__["body"] = route.request
+    return endpoint
+
+
+def respond(result: Any) -> Response:
+    """A handler's result as HTTP: an SSE stream, or the response model as JSON."""
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+    return json_response(result)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -23,9 +23,10 @@ import jinja2.meta
 import jinja2.sandbox
 from jinja2.exceptions import TemplateError
 
+from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import OpenAIError, bad_request
 from raytp.openai.protocol import ChatMessageIn
-from raytp.openai.stream import EngineClient, RequestStream
+from raytp.openai.stream import RequestStream
 from scheduler.errors import PromptTooLongError
 from scheduler.sampling_params import SamplingParams
 

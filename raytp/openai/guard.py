@@ -11,7 +11,8 @@ cross-origin without a CORS preflight, so any web page could otherwise drive the
 JSON parse and validation that run on the ingress event loop; the body is read here, up to the limit,
 and replayed to the route.
 
-The settings live in `app.state` (`api_key`, `max_body_bytes`), set by the ingress replica at start-up.
+Its settings (`api_key`, `max_body_bytes`) are given when the app is built (`build_api`), one app per
+ingress replica: nothing is written into the app afterwards.
 """
 
 from __future__ import annotations
@@ -49,25 +50,27 @@ def _too_large(limit: int) -> OpenAIError:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        """`api_key`: None serves `/v1/*` without a key."""
         self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state = scope["app"].state
         headers = _headers(scope)
-        error = self._check_key(scope, headers, getattr(state, "api_key", None))
+        limit = self.max_body_bytes
+        error = self._check_key(scope, headers, self.api_key)
         if error is None and scope.get("method") in _BODY_METHODS:
-            error = self._check_headers(headers, int(getattr(state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)))
+            error = self._check_headers(headers, limit)
         if error is not None:
             await error.response()(scope, receive, send)
             return
         if scope.get("method") not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        limit = int(getattr(state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
         body = await self._read_body(receive, limit)
         if body is None:  # the client went away mid-body: nobody to answer
             return

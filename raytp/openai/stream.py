@@ -1,81 +1,20 @@
 """One engine request seen from a handler: the engine's `RequestDelta` stream, and how to end it.
 
-The handlers talk to an `EngineClient`: anything that streams a request's deltas and aborts the
-request when the stream is closed early. The ingress holds a `ModelReplicaClient` (an EngineClient
-that also answers health, model info and stats): the model replica in its own process
-(`serve_app.ModelReplica`, the default), or `ServeEngineClient`, which reaches the replicas of a
-separate `LLMServer` deployment (Serve balances across them); batch jobs bring their own client. The
-deltas already carry text, stop-string trimming, logprobs and finish reasons (the engine's one
-output road), so nothing here decodes or decides anything.
+The deltas come through an `EngineClient` (engine_client.py: in-process, Serve handle or Ray actor);
+they already carry text, stop-string trimming, logprobs and finish reasons (the engine's one output
+road), so nothing here decodes or decides anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
-
-from ray.serve.handle import DeploymentResponseGenerator
+from typing import Any
 
 from cluster.outputs import PromptInfo, RequestDelta, RequestOutput, RequestOutputBuilder
+from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import request_failed
 from scheduler.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from ray.serve.handle import DeploymentHandle
-
-
-class EngineClient(Protocol):
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestDelta]:
-        """The request's deltas, the last with finished=True; closing the iterator early aborts it.
-        A request the engine refuses raises (RequestError) before the first delta."""
-        ...
-
-
-class ModelReplicaClient(EngineClient, Protocol):
-    async def health(self) -> None:
-        """Raises when the engine cannot serve (the ingress answers 503)."""
-        ...
-
-    async def model_info(self) -> dict[str, Any]: ...
-
-    async def get_stats(self) -> dict[str, Any]: ...
-
-
-class ServeEngineClient:
-    """The model replicas of an `LLMServer` deployment, through its handle."""
-
-    def __init__(self, server: DeploymentHandle) -> None:
-        self._handle = server
-        self._server = server.options(stream=True)  # made once: options() builds a new handle
-
-    async def health(self) -> None:
-        await self._handle.health.remote()
-
-    async def model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = await self._handle.model_info.remote()
-        return info
-
-    async def get_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self._handle.get_stats.remote()
-        return stats
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestDelta]:
-        stream = self._server.generate.remote(request_id, prompt_token_ids, params)
-        assert isinstance(stream, DeploymentResponseGenerator)  # a handle with stream=True
-        finished = False
-        try:
-            async for delta in stream:
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                # The server replica turns the cancelled stream into an abort at its controller.
-                stream.cancel()
 
 
 class RequestStream:

@@ -1,4 +1,5 @@
-"""A batch row's body is what the live HTTP server answers for the same request (ids and times aside).
+"""A batch row's body is what the live HTTP server answers for the same request (ids and times aside),
+on every route of the route table.
 
 The server and the batch job run the same tiny model on one local Ray; greedy and seeded rows make
 both answers deterministic, so equality is exact, error bodies (400s) included.
@@ -12,6 +13,7 @@ import pytest
 import requests
 
 from raytp.batch.runner import BatchJob, run_batch
+from raytp.openai.routes import ROUTES_BY_PATH
 from tests.batch.helpers import ENGINE, MODEL_NAME, by_id, comparable, engine_config, mixed_rows, read_lines, write_rows
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.serving.live_server import live_server
@@ -22,6 +24,17 @@ pytestmark = pytest.mark.slow
 def test_batch_bodies_equal_the_http_servers(tmp_path: Path) -> None:
     model_dir = make_tiny_llama(tmp_path / "model")
     rows = [r for r in mixed_rows(num_plain=2) if r["custom_id"] != "bad-stream"]  # the server would stream it
+    rows += [
+        {"custom_id": cid, "method": "POST", "url": url, "body": body}
+        for cid, url, body in [
+            ("tokenize", "/tokenize", {"prompt": "hello there"}),
+            ("tokenize-chat", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("tokenize-both", "/tokenize", {"prompt": "x", "messages": []}),
+            ("detokenize", "/detokenize", {"tokens": [1, 2, 3]}),
+            ("detokenize-bad", "/detokenize", {"tokens": [1 << 30]}),
+        ]
+    ]
+    assert {r["url"] for r in rows} == set(ROUTES_BY_PATH), "every route of the server has a row here"
     src = write_rows(tmp_path / "in.jsonl", rows)
     with live_server({"model": model_dir, "served_model_name": MODEL_NAME, **ENGINE}, num_cpus=8) as server:
         job = BatchJob(str(src), str(tmp_path / "out.jsonl"), None, engine_config(model_dir), MODEL_NAME,

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from serve_app import SERVE_ENV_DEFAULTS
+from raytp.serve.args import SERVE_ENV_DEFAULTS
 
 
 @contextmanager

@@ -20,15 +20,17 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
     from ray._common.utils import import_attr
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve._private.build_app import build_app
+    from ray.serve.handle import DeploymentHandle
 
     from cluster.config import EngineConfig
-    from serve_app import EngineSettings
+    from raytp.serve.args import ServeArgs
 
-    def engine_config(arg: Any) -> EngineConfig | None:
-        """The EngineConfig a deployment's init arg carries: LLMServer's own, or the ingress's EngineSettings'."""
-        if isinstance(arg, EngineSettings):
-            return arg.config
-        return arg if isinstance(arg, EngineConfig) else None
+    def engine_configs(init_args: tuple[Any, ...]) -> list[EngineConfig]:
+        """The EngineConfig of the model replica a deployment hosts: LLMServer's, or the ingress's when it is
+        bound to no LLMServer handle (each gets the app's ServeArgs; a split ingress only loads a tokenizer)."""
+        if any(isinstance(a, DeploymentHandle) for a in init_args):
+            return []
+        return [a.engine for a in init_args if isinstance(a, ServeArgs)]
 
     app_config = config["applications"][0]
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_config["import_path"]), app_config["args"])
@@ -40,9 +42,9 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
         deployments[d.name] = {
             "num_replicas": d.num_replicas,
             "autoscaling": None if autoscaling is None else [autoscaling.min_replicas, autoscaling.max_replicas],
-            "binds_engine": any(engine_config(a) is not None for a in d.init_args),
+            "binds_engine": bool(engine_configs(d.init_args)),
         }
-        engines += [dataclasses.asdict(c) for c in map(engine_config, d.init_args) if c is not None]
+        engines += [dataclasses.asdict(c) for c in engine_configs(d.init_args)]
     return {
         "deployments": deployments,
         "engine_configs": engines,

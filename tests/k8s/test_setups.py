@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app import SERVE_ENV_DEFAULTS
+from raytp.serve.args import SERVE_ENV_DEFAULTS
 from tests.k8s.chart import cluster_spec, container_env, load_values, of_kind, one, pod_templates, render, serve_config
 
 

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from serve_app import build_app
+from raytp.serve.app import build_app
 from tests.metrics.prom import PROMETHEUS, PROMETHEUS_MISSING, Prometheus, free_port, job
 from tools.monitoring import dashboard
 

@@ -20,7 +20,7 @@ import requests
 from ray import serve
 
 from raytp.openai.request_id import enable_proxy_guard
-from serve_app import build_app
+from raytp.serve.app import build_app
 from tests.helpers.ports import free_port
 from tests.helpers.serve_env import serve_defaults
 
@@ -32,6 +32,7 @@ SMALL_ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28, "swap_sp
 @dataclass
 class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
+    engine_deployment: str = "OpenAIIngress"  # the deployment whose replica hosts the engine (one replica here)
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -43,8 +44,8 @@ class LiveServer:
         return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, timeout=300)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's get_stats, through the deployment that serves HTTP (one replica in these tests)."""
-        handle = serve.get_deployment_handle("OpenAIIngress", APP)
+        """The engine's get_stats, from the deployment that hosts it."""
+        handle = serve.get_deployment_handle(self.engine_deployment, APP)
         result: dict[str, Any] = handle.get_stats.remote().result(timeout_s=30)
         return result
 
@@ -76,7 +77,7 @@ def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=APP, route_prefix="/")
-        yield LiveServer(f"http://127.0.0.1:{port}")
+        yield LiveServer(f"http://127.0.0.1:{port}", "LLMServer" if args.get("split_ingress") else "OpenAIIngress")
     finally:
         serve.shutdown()
         ray.shutdown()

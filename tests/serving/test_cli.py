@@ -94,7 +94,7 @@ def test_a_local_serve_splits_the_cores_among_its_ranks(
     monkeypatch: pytest.MonkeyPatch, args: dict[str, object], env: str | None, expected: str | None
 ) -> None:
     from raytp.cli.serve import _claim_the_machines_cores
-    from serve_app import ServeArgs
+    from raytp.serve.args import ServeArgs
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     # A private environment: the function writes os.environ, and a leaked value would make every

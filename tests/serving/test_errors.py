@@ -145,7 +145,7 @@ def test_401_missing_or_wrong_key(server: LiveServer) -> None:
 
 
 def test_503_when_the_waiting_queue_is_over_its_bound(server: LiveServer) -> None:
-    # "Waiting" = accepted with no first token yet (serve_app.LLMServer._admit): at most 2 at a time.
+    # "Waiting" = accepted with no first token yet (raytp.serve.replica.ModelReplica._admit): at most 2 at a time.
     # 12 long requests at once: at least those 2 are served; how many more depends on how many
     # arrive after the first tokens came out (a race), and the rest are refused.
     body = {"prompt": "count:", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}

@@ -17,7 +17,7 @@ from raytp.openai.app import build_api
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
 from raytp.openai.protocol import DetokenizeRequest
 from raytp.openai.request_id import MAX_LEN, ProxyRequestIdGuard, is_safe, request_id_of
-from serve_app import ServeArgs
+from raytp.serve.args import ServeArgs
 
 KEY = "k"
 AUTH = (b"authorization", b"Bearer k")
@@ -25,9 +25,7 @@ JSON = (b"content-type", b"application/json")
 
 
 def make_app(api_key: str | None = KEY, max_body_bytes: int = 1000) -> FastAPI:
-    app = build_api()
-    app.state.api_key = api_key
-    app.state.max_body_bytes = max_body_bytes
+    app = build_api(api_key, max_body_bytes)
 
     @app.post("/v1/echo")
     async def echo(body: DetokenizeRequest) -> dict[str, Any]:
@@ -146,3 +144,19 @@ def test_body_limit_setting_from_flag_to_app() -> None:
     assert ServeArgs.from_dict(serve_args_of(default)).max_request_body_bytes == DEFAULT_MAX_BODY_BYTES == 4 << 20
     with pytest.raises(ValueError, match="max_request_body_bytes"):
         ServeArgs(max_request_body_bytes=0)
+
+
+def test_every_serve_arg_is_a_flag_and_unset_flags_keep_its_defaults() -> None:
+    import dataclasses
+
+    own = [f.name for f in dataclasses.fields(ServeArgs) if f.name != "engine"]
+    default = build_parser().parse_args(["serve"])
+    assert all(getattr(default, name) is None for name in own)  # unset: ServeArgs' own default applies
+    assert ServeArgs.from_dict(serve_args_of(default)) == ServeArgs()
+    args = build_parser().parse_args(
+        ["serve", "--split-ingress", "--ingress-replicas", "2", "--autoscaling-config", '{"max_replicas": 3}']
+        + ["--health-check-period-s", "1.5", "--max-ongoing-requests", "7"]
+    )
+    sa = ServeArgs.from_dict(serve_args_of(args))
+    assert (sa.split_ingress, sa.ingress_replicas, sa.autoscaling_config) == (True, 2, {"max_replicas": 3})
+    assert (sa.health_check_period_s, sa.max_ongoing_requests) == (1.5, 7)

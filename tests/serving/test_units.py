@@ -15,8 +15,9 @@ from cluster.outputs import Logprob
 from raytp.openai.errors import EngineOverloadedError, request_failed, to_openai_error, validation_error
 from raytp.openai.logprobs import chat_logprobs, completion_logprobs
 from raytp.openai.protocol import CompletionRequest
+from raytp.serve.app import build_app
+from raytp.serve.args import ServeArgs
 from scheduler.errors import PromptTooLongError, RequestError
-from serve_app import ServeArgs, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +97,35 @@ def test_logprob_shapes() -> None:
     chat = chat_logprobs([7], [entry(t7=(float("-inf"), 3), t5=(-0.1, 1), t6=(-0.2, 2))], 2)
     (only,) = chat.content or []
     assert only.logprob == -9999.0 and [t.token for t in only.top_logprobs] == ["a", "bc"]
+
+
+def test_the_http_app_and_batch_lines_take_the_route_table() -> None:
+    """One table: the app's POST routes are its rows, each validating with its row's model, and a batch
+    line may name each of them (and nothing else)."""
+    import json
+    from typing import cast
+
+    from fastapi.routing import APIRoute
+
+    from raytp.batch.input import BatchError, BatchRow, parse_line
+    from raytp.openai.app import openai_app
+    from raytp.openai.context import ServingContext
+    from raytp.openai.routes import ROUTES
+
+    async def healthy() -> None:
+        return None
+
+    app = openai_app(cast(ServingContext, object()), healthy, api_key=None)  # handlers keep ctx until a request
+    posts = {r.path: r.methods for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods}
+    assert posts == {r.path: {r.method} for r in ROUTES}
+    spec = app.openapi()
+    for r in ROUTES:
+        body = spec["paths"][r.path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].endswith("/" + r.request.__name__), r.path
+
+    def line(url: str) -> str:
+        return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": {}})
+
+    assert all(isinstance(parse_line(1, line(r.path)), BatchRow) for r in ROUTES)
+    refused = parse_line(1, line("/v1/embeddings"))
+    assert isinstance(refused, BatchError) and refused.code == "invalid_url"

@@ -87,7 +87,7 @@ def _heatmap(title: str, name: str, description: str) -> Panel:
 
 
 # Serve's own endpoints (/-/healthz, /-/routes): behind HAProxy the ingress replica books HAProxy's
-# health checks of it as requests (serve_app.SERVE_ENV_DEFAULTS); the panels show the API's traffic.
+# health checks of it as requests (raytp.serve.args.SERVE_ENV_DEFAULTS); the panels show the API's traffic.
 API_ROUTES = 'route!~"/-/.*"'
 
 

@@ -74,7 +74,7 @@ one GPU and PACK keeps a replica's ranks on one pod); on CPU, one.
 
 {{/*
 serveConfigV2: one Serve application, serve_app:build_app with its args (ServeArgs in
-serve_app.py). The API key is never an arg: the ingress reads RAYTP_API_KEY.
+raytp/serve/args.py). The API key is never an arg: the ingress reads RAYTP_API_KEY.
 */}}
 {{- define "raytp.serveConfig" -}}
 {{- $v := .Values }}
@@ -142,9 +142,9 @@ through toJson so large integers never print in exponent form.
 # Serve's HTTP proxies (on every node) validate X-Request-Id before echoing it (raytp/openai/request_id.py).
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: "raytp.openai.request_id:proxy_middlewares"
-# Serve's high-throughput mode, as `raytp serve` runs it (serve_app.SERVE_ENV_DEFAULTS): direct ingress and
+# Serve's high-throughput mode, as `raytp serve` runs it (raytp/serve/args.py SERVE_ENV_DEFAULTS): direct ingress and
 # HAProxy (bundled with ray[serve]) on each node's HTTP port; Serve's HTTP request metrics from the ingress
-# replica, not from HAProxy's log (in Ray 2.60 that books answered requests as 499; see serve_app.py).
+# replica, not from HAProxy's log (in Ray 2.60 that books answered requests as 499; see raytp/serve/args.py).
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: "1"
 - name: RAY_SERVE_ENABLE_HA_PROXY

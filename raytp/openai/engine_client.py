@@ -1,0 +1,110 @@
+"""EngineClient: how a handler reaches one model replica's engine, and its transports side by side.
+
+Every transport streams a request's `RequestDelta`s (text, stop strings, logprobs and finish reasons
+already done by the engine's one output road) and aborts the request when the stream is closed early;
+each also answers health and model info. Nothing here decodes or decides anything.
+
+    in-process    `raytp.serve.replica.ModelReplica`: the engine loop in this process (the default
+                  ingress replica hosts its own); an asyncio queue per request, no Ray message at all
+    Serve handle  `ServeEngineClient`: the replicas of a `split_ingress` app's LLMServer deployment
+                  (Serve balances across them); one Ray message per delta
+    Ray actor     `ActorEngineClient`: an `EngineController` actor (a batch job's engine replica); one
+                  Ray streaming call per request
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+from ray.serve.handle import DeploymentResponseGenerator
+
+from cluster.engine import EngineDeadError
+from cluster.outputs import RequestDelta
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.serve.handle import DeploymentHandle
+
+
+class EngineClient(Protocol):
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """The request's deltas, the last with finished=True; closing the iterator early aborts it.
+        A request the engine refuses raises (RequestError) before the first delta."""
+        ...
+
+    async def health(self) -> None:
+        """Raises when the engine cannot serve (the ingress answers 503)."""
+        ...
+
+    async def model_info(self) -> dict[str, Any]:
+        """The engine's `EngineLoop.model_info`: max_model_len, vocab_size, ..."""
+        ...
+
+
+class ServeEngineClient:
+    """The model replicas of an `LLMServer` deployment, through its handle."""
+
+    def __init__(self, server: DeploymentHandle) -> None:
+        self._handle = server
+        self._server = server.options(stream=True)  # made once: options() builds a new handle
+
+    async def health(self) -> None:
+        await self._handle.health.remote()
+
+    async def model_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = await self._handle.model_info.remote()
+        return info
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        stream = self._server.generate.remote(request_id, prompt_token_ids, params)
+        assert isinstance(stream, DeploymentResponseGenerator)  # a handle with stream=True
+        finished = False
+        try:
+            async for delta in stream:
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                # The server replica turns the cancelled stream into an abort at its controller.
+                stream.cancel()
+
+
+class ActorEngineClient:
+    """One `EngineController` actor, through its streaming `generate`. A dead actor is an
+    EngineDeadError (503 engine_unavailable), which a batch replica answers by starting a fresh one."""
+
+    def __init__(self, controller: ActorHandle) -> None:
+        self._controller = controller
+
+    async def health(self) -> None:
+        await self._controller.check_health.remote()
+
+    async def model_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = await self._controller.model_info.remote()
+        return info
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        finished = False
+        try:
+            stream: ray.ObjectRefGenerator = self._controller.generate.options(num_returns="streaming").remote(
+                request_id, prompt_token_ids, params
+            )
+            async for ref in stream:
+                delta: RequestDelta = await ref
+                finished = delta.finished
+                yield delta
+        except ray.exceptions.RayActorError as e:
+            finished = True
+            raise EngineDeadError(f"the engine controller died: {e}") from None
+        finally:
+            if not finished:
+                self._controller.abort.remote(request_id)

@@ -1,0 +1,137 @@
+"""One model replica in a Serve replica: `ModelReplica` (the engine loop and admission control) and
+`LLMServer`, the deployment that hosts one apart from the ingress (`split_ingress`).
+
+Decision: the engine loop lives in a Serve replica, not in an actor of its own, and by default in the
+replica that serves HTTP (`OpenAIIngress`). A streamed token then crosses no Ray message at all between
+the engine and the HTTP response: an asyncio queue hands it to the route's SSE stream (README, "Serving
+hops"). Either way the replica's lifetime is the engine's: a replica that Serve stops or replaces takes
+its engine and TP workers with it, so `num_replicas` / autoscaling scale whole model replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+
+from cluster.config import EngineConfig
+from cluster.outputs import RequestDelta
+from raytp.openai.errors import EngineOverloadedError
+from raytp.serve.args import ServeArgs
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.controller import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+
+async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, dict[str, Any]]:
+    """Load the model in this Serve replica: (its engine loop, model_info). Loading blocks (it waits on the
+    workers), so it runs off the event loop; a replica that awaits this in its async __init__ does not report
+    ready before it is done. The Serve replica id labels this engine's metrics (`replica`), as Serve's own
+    series name replicas."""
+    from cluster.controller import EngineLoop  # imported where a model replica starts, not by every importer
+
+    replica = serve.get_replica_context().replica_id.unique_id
+    engine = await asyncio.to_thread(EngineLoop, config, replica, served_model_name)
+    info = await engine.model_info()
+    logger.info("model replica ready: %s", info)
+    return engine, info
+
+
+class ModelReplica:
+    """One model replica: the engine's step loop (`EngineLoop`: scheduler, KV blocks, output processing)
+    in this process, its TP worker actors in their placement group, and admission control. The in-process
+    transport of `EngineClient` (raytp/openai/engine_client.py).
+
+    The step loop shares the replica's event loop with the request streams (and, in Serve's
+    high-throughput mode, with Serve's own request handling); only schedule/update run there, a few ms
+    per step, while the forward pass waits in the loop's step thread. A dead engine (a worker died, a step
+    failed) is observed by `health`, and Serve replaces the replica.
+    """
+
+    def __init__(self, engine: EngineLoop, info: dict[str, Any], max_waiting_requests: int | None) -> None:
+        self._engine = engine
+        self._info = info
+        self._max_waiting = max_waiting_requests
+        self._num_waiting = 0  # requests accepted here that have not produced a delta yet
+
+    @classmethod
+    async def start(cls, args: ServeArgs) -> ModelReplica:
+        return cls(*await start_engine(args.engine, args.served_model_name), args.max_waiting_requests)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.engine.tokenizer
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream the engine's deltas. Closing this stream early (client gone) aborts the request."""
+        self._admit()
+        waiting = True  # counted in self._num_waiting until its first delta arrives
+        try:
+            # aclosing: a stream closed early closes the engine's generator at once, which aborts the
+            # request and frees its blocks (not whenever the garbage collector finalizes it).
+            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as deltas:
+                async for delta in deltas:
+                    if waiting:
+                        waiting = False
+                        self._num_waiting -= 1
+                    yield delta
+        finally:
+            if waiting:
+                self._num_waiting -= 1
+
+    def _admit(self) -> None:
+        """Refuse (503) once max_waiting_requests requests wait for their first token here.
+
+        Decision: "waiting" is counted in this replica (accepted, no output yet), not read from the
+        scheduler's queue: the check is then exact under concurrent arrivals; the two differ only by
+        requests preempted back into the scheduler's queue.
+        """
+        if self._max_waiting is not None and self._num_waiting >= self._max_waiting:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {self._num_waiting} requests are waiting "
+                f"(max_waiting_requests={self._max_waiting}); retry later."
+            )
+        self._num_waiting += 1
+
+    async def model_info(self) -> dict[str, Any]:
+        return self._info
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine's counters (queues, KV blocks). Serve calls reach it through the deployment that
+        hosts this replica; no transport forwards it."""
+        return await self._engine.get_stats()
+
+    async def health(self) -> None:
+        """Raises EngineDeadError when the engine is dead (the ingress answers 503)."""
+        await self._engine.check_health()
+
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
+
+
+class LLMServer(ModelReplica):
+    """The `LLMServer` deployment of `split_ingress` apps: a `ModelReplica` as a Serve replica of its
+    own, reached by the ingress through a deployment handle (one Ray message per streamed token)."""
+
+    # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
+    async def __init__(self, args: ServeArgs) -> None:  # type: ignore[misc]
+        engine, info = await start_engine(args.engine, args.served_model_name)
+        super().__init__(engine, info, args.max_waiting_requests)
+
+    async def check_health(self) -> None:
+        # Serve's health hook: raising marks this replica unhealthy, and Serve replaces it
+        # (and with it the engine and its workers) with a fresh one.
+        await self.health()
+
+    async def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # a half-built or already failed engine: nothing to release
+            await self.shutdown()
