@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from cluster.config import EngineConfig
 from raytp.batch.input import BatchRow, parse_line
 from raytp.batch.output import output_line
+from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.context import ServingContext, max_token_chars
 from raytp.openai.engine_client import ActorEngineClient
 from raytp.openai.errors import OpenAIError, bad_request, to_openai_error
@@ -36,13 +37,16 @@ ENGINE_START_ATTEMPTS = 3
 class BatchReplica:
     """Ray Data callable class: a batch of input lines -> a batch of output lines."""
 
-    def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, served_model_name: str | None = None, chat: ChatSettings | None = None
+    ) -> None:
         from model_exec.source import load_tokenizer, resolve_model
 
         self._config = engine_config
         source = resolve_model(engine_config.model, engine_config.revision)
         self._tokenizer = load_tokenizer(source, engine_config.trust_remote_code)
         self._model_name = served_model_name or source.name
+        self._chat = chat if chat is not None else ChatSettings()
         self._loop = asyncio.new_event_loop()
         self._start_engine()
 
@@ -69,6 +73,7 @@ class BatchReplica:
             max_model_len=int(info["max_model_len"]),
             vocab_size=int(info["vocab_size"]),
             max_token_chars=max_token_chars(self._tokenizer),
+            chat=self._chat,
         )
         self._handlers = handlers(self.ctx)
         self._engine_lost = False

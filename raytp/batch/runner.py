@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from raytp.batch.input import BatchError, BatchRow, iter_rows, validate_file
 from raytp.batch.journal import Journal
 from raytp.batch.output import is_failure, write_final
 from raytp.batch.status import BatchStatus, status_path_for
+from raytp.openai.chat_settings import ChatSettings
 
 logger = logging.getLogger(__name__)
 MAX_PASSES = 3  # a pass redoes the rows whose replica died in the one before
@@ -51,6 +52,7 @@ class BatchJob:
     error_file: str | None
     engine: EngineConfig
     served_model_name: str | None = None
+    chat: ChatSettings = field(default_factory=ChatSettings)  # tool-call and reasoning parsers, as the server's
     num_replicas: int = 1
     batch_size: int = 64  # rows per map_batches call: all of them are in the engine at once
     show_progress: bool = True
@@ -169,7 +171,11 @@ def _one_pass(job: BatchJob, journal: Journal, status: BatchStatus, metrics: Bat
     ds = ds.map_batches(functools.partial(_pending, done=frozenset(journal.done)), batch_format="numpy")
     ds = ds.map_batches(
         BatchReplica,
-        fn_constructor_kwargs={"engine_config": job.engine, "served_model_name": job.served_model_name},
+        fn_constructor_kwargs={
+            "engine_config": job.engine,
+            "served_model_name": job.served_model_name,
+            "chat": job.chat,
+        },
         concurrency=job.num_replicas,
         batch_size=job.batch_size,
         num_cpus=0,  # the replica only relays; its controller and workers hold the resources

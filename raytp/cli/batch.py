@@ -16,7 +16,8 @@ import json
 import sys
 from typing import Any
 
-from raytp.cli.args import add_engine_args, engine_config_from_args
+from raytp.cli.args import add_config_args, add_engine_args, engine_config_from_args
+from raytp.openai.chat_settings import ChatSettings
 
 
 def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="rows in flight per replica")
     p.add_argument("--served-model-name", default=None, help="the model name bodies may send")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    add_config_args(p.add_argument_group("chat"), ChatSettings)
     add_engine_args(p)
     p.set_defaults(func=cmd_batch)
     return p
@@ -46,6 +48,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         error_file=args.error_file,
         engine=engine,
         served_model_name=args.served_model_name,
+        chat=ChatSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ChatSettings)}),
         num_replicas=args.num_replicas,
         batch_size=args.max_concurrency,
         show_progress=not args.no_progress and sys.stderr.isatty(),

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.config import EngineConfig
 from raytp.cli.args import add_config_args, add_engine_args, engine_fields_of
+from raytp.openai.chat_settings import ChatSettings
 from raytp.serve.args import ServeArgs
 
 APP_NAME = "raytp"
@@ -29,7 +30,8 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
-    add_config_args(p.add_argument_group("serving"), ServeArgs, skip=("engine",), unset_is_none=True)
+    add_config_args(p.add_argument_group("serving"), ServeArgs, skip=("engine", "chat"), unset_is_none=True)
+    add_config_args(p.add_argument_group("chat"), ChatSettings, unset_is_none=True)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -40,7 +42,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_args_of(args: argparse.Namespace) -> dict[str, Any]:
     """`build_app`'s arguments from the parsed flags (serving flags left unset keep ServeArgs' defaults)."""
-    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs) if f.name != "engine"}
+    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs) if f.name not in ("engine", "chat")}
+    own.update({f.name: getattr(args, f.name) for f in dataclasses.fields(ChatSettings)})
     return {**engine_fields_of(args), **{k: v for k, v in own.items() if v is not None}}
 
 

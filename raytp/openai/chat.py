@@ -47,7 +47,11 @@ _REASONING_TAIL_TOKENS = 32
 class ChatHandler:
     def __init__(self, ctx: ServingContext, settings: ChatSettings | None = None) -> None:
         self.ctx = ctx
-        self.settings = settings if settings is not None else ChatSettings()
+        self._settings = settings  # None: the server's (ctx.chat)
+
+    @property
+    def settings(self) -> ChatSettings:
+        return self._settings if self._settings is not None else self.ctx.chat
 
     async def create(self, req: ChatCompletionRequest, request_id: str) -> ChatCompletionResponse | AsyncIterator[str]:
         ctx = self.ctx

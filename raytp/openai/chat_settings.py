@@ -4,7 +4,7 @@ batch jobs alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raytp.openai.reasoning import ReasoningParser, get_reasoning_parser, reasoning_parser_names
 from raytp.openai.tool_parsers import tool_parser_names
@@ -13,9 +13,16 @@ from raytp.openai.tool_parsers import tool_parser_names
 @dataclass(frozen=True)
 class ChatSettings:
     # tool_choice "auto" (and tools without tool_choice) parses calls out of free text; off, it is a 400
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # a name from tool_parser_names()
-    reasoning_parser: str | None = None  # a name from reasoning_parser_names()
+    enable_auto_tool_choice: bool = field(
+        default=False, metadata={"help": "tool_choice auto: parse tool calls out of the text (needs a parser)"}
+    )
+    tool_call_parser: str | None = field(
+        default=None, metadata={"help": "the tool-call format of the model's output", "choices": tool_parser_names()}
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={"help": "split reasoning_content out of the output", "choices": reasoning_parser_names()},
+    )
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in tool_parser_names():

@@ -23,6 +23,7 @@ import jinja2.meta
 import jinja2.sandbox
 from jinja2.exceptions import TemplateError
 
+from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import OpenAIError, bad_request
 from raytp.openai.protocol import ChatMessageIn
@@ -57,6 +58,7 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     max_token_chars: int  # see max_token_chars()
+    chat: ChatSettings = field(default_factory=ChatSettings)  # tool-call and reasoning parsers (vLLM's flags)
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="raytp-tokenize")
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import EngineConfig
+from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "RAYTP_API_KEY"  # read where the app is built and in each ingress replica
@@ -20,6 +21,7 @@ API_KEY_ENV = "RAYTP_API_KEY"  # read where the app is built and in each ingress
 # hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+_CHAT_FIELDS = frozenset(f.name for f in dataclasses.fields(ChatSettings))
 
 # Ray Serve's high-throughput mode, as Ray documents it (Ray >= 2.56; docs.ray.io, "Enable High Throughput
 # on Ray Serve with KubeRay"):
@@ -41,7 +43,7 @@ _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 #   routes beginning with "/-/", and the dashboard leaves those out (tools/monitoring/dashboard.py).
 # Serve reads them when each of its processes starts, so they are a property of the cluster: `raytp serve`
 # sets them on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
-# benchmarks/serving_profile.py, README "Serving hops".
+# benchmarks/serving_profile.py, docs/benchmarks.md, "Serving hops".
 SERVE_ENV_DEFAULTS = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -70,7 +72,7 @@ class ServeArgs:
     served_model_name: str | None = _arg(None, "the name clients send as `model` (default: the model's own)")
     num_replicas: int | None = _arg(None, "model replicas (default 1; exclusive with --autoscaling-config)")
     autoscaling_config: dict[str, Any] | None = _arg(None, "Serve AutoscalingConfig of the model replicas, as JSON")
-    # Decision (README, "Serving hops"): by default each model replica is an `OpenAIIngress` replica that
+    # Decision (docs/benchmarks.md, "Serving hops"): by default each model replica is an `OpenAIIngress` replica that
     # hosts its engine loop, so a streamed token crosses no Ray message between engine and HTTP response.
     # split_ingress: the model replicas form an `LLMServer` deployment of their own behind
     # `ingress_replicas` ingress replicas (HTTP, tokenizer and engines scale apart, one Ray hop per token).
@@ -87,6 +89,8 @@ class ServeArgs:
     )
     health_check_period_s: float | None = _arg(None, "seconds between Serve's replica health checks")
     max_request_body_bytes: int = _arg(DEFAULT_MAX_BODY_BYTES, "413 for larger request bodies (default 4 MiB)")
+    # vLLM's chat flags: how tool calls and reasoning are read out of the text (flat keys, as the engine's).
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
     def __post_init__(self) -> None:
         if self.num_replicas is not None and self.autoscaling_config is not None:
@@ -111,12 +115,13 @@ class ServeArgs:
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> ServeArgs:
         """Unknown keys are refused: a typo must not silently fall back to a default."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
-        unknown = set(args) - own - _ENGINE_FIELDS
+        own = {f.name for f in dataclasses.fields(cls)} - {"engine", "chat"}
+        unknown = set(args) - own - _ENGINE_FIELDS - _CHAT_FIELDS
         if unknown:
             raise ValueError(f"unknown serve arguments: {', '.join(sorted(unknown))}")
         engine = EngineConfig(**{k: v for k, v in args.items() if k in _ENGINE_FIELDS})
-        return cls(engine=engine, **{k: v for k, v in args.items() if k in own})
+        chat = ChatSettings(**{k: v for k, v in args.items() if k in _CHAT_FIELDS})
+        return cls(engine=engine, chat=chat, **{k: v for k, v in args.items() if k in own})
 
     def api_key_from_env(self) -> ServeArgs:
         """These args with `api_key` read from RAYTP_API_KEY when none was given. Called where the app is

@@ -47,6 +47,7 @@ class OpenAIIngress:
             max_model_len=int(info["max_model_len"]),
             vocab_size=int(info["vocab_size"]),
             max_token_chars=max_token_chars(tokenizer),
+            chat=args.chat,
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
