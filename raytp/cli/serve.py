@@ -101,7 +101,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     if not joined:
         claim_port(port)  # a leftover HAProxy on it is stopped, anything else refused, before Ray starts
         _claim_the_machines_cores(sa)
-        haproxy_dir = use_private_haproxy()
+        haproxy_dir = use_private_haproxy(host)
     enable_proxy_guard()  # the HTTP proxies of a cluster started here validate X-Request-Id
     use_serve_defaults()  # ... and run Serve's high-throughput mode
     ensure_ray()
