@@ -45,6 +45,22 @@ def _haproxy_ports(processes: dict[int, str], candidates: list[int]) -> dict[int
     return ports
 
 
+def _loopback_listeners(pid: int) -> set[int]:
+    """The ports `pid` listens on at 127.0.0.1 (the --host these servers run with)."""
+    own, ports = _socket_inodes(pid), set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        address, port = fields[1].split(":")
+        if fields[3] == "0A" and fields[9] in own and address == "0100007F":
+            ports.add(int(port, 16))
+    return ports
+
+
+def _fallback_proxy_ports(processes: dict[int, str]) -> set[int]:
+    """Where Serve's fallback proxy (`ray::ProxyActor`) listens for HTTP from HAProxy."""
+    return {p for pid, cmd in processes.items() if cmd.startswith("ray::ProxyActor") for p in _loopback_listeners(pid)}
+
+
 def _models(base: str) -> int:
     return requests.get(base + "/v1/models", timeout=30).status_code
 
@@ -65,6 +81,9 @@ def _side_by_side_then_stopped(model: str, a: ServeProcess, b: ServeProcess, por
     for server, port in ((a, port_a), (b, port_b)):
         haproxies = _haproxy_ports(server.processes(), [port_a, port_b])
         assert haproxies and all(p == {port} for p in haproxies.values()), haproxies
+    # Each has its own fallback proxy (Ray's default, 8500 for all, let only the first server start one).
+    fallback_a, fallback_b = _fallback_proxy_ports(a.processes()), _fallback_proxy_ports(b.processes())
+    assert fallback_a and fallback_b and not fallback_a & fallback_b, (fallback_a, fallback_b)
 
     took = a.stop_within(signal.SIGINT, STOP_S)
     assert not wait_gone(a, 5), f"left running after Ctrl-C ({took:.1f} s): {a.processes()}"
