@@ -16,6 +16,7 @@ next `raytp serve` (its owner's pid, written inside, is gone).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -48,10 +49,19 @@ def real_haproxy_binary() -> str:
 
 
 def private_haproxy_env(directory: Path, real_binary: str) -> dict[str, str]:
-    """Ray Serve's HAProxy variables pointing into `directory`, and the launcher written there."""
+    """Ray Serve's HAProxy variables pointing into `directory`, and the launcher written there (with the
+    body HAProxy answers /health with while no replica is up: the ingress's own 503)."""
+    from raytp.cli.haproxy_shim import HEALTH_503_ENV
+    from raytp.openai.errors import ENGINE_UNAVAILABLE, OpenAIError
+
+    health = directory / "health-503.json"
+    health.write_text(
+        json.dumps(OpenAIError(ENGINE_UNAVAILABLE, 503, "server_error", code="engine_unavailable").body())
+    )
     launcher = directory / "haproxy"
     launcher.write_text(
-        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -I {shlex.quote(str(_SHIM))} {shlex.quote(real_binary)} "$@"\n'
+        f"#!/bin/sh\n{HEALTH_503_ENV}={shlex.quote(str(health))} exec {shlex.quote(sys.executable)} -I "
+        f'{shlex.quote(str(_SHIM))} {shlex.quote(real_binary)} "$@"\n'
     )
     launcher.chmod(0o700)
     return {

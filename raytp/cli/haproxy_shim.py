@@ -50,6 +50,64 @@ def narrow_config(text: str) -> str:
     return "".join(kept)
 
 
+HEALTH_ROUTE = "/health"  # raytp's engine health route (the ingress's), answered by HAProxy when no replica is up
+HEALTH_503_ENV = "RAYTP_HEALTH_503_FILE"  # the 503 answer (a raw HTTP response), written by haproxy_env.py
+_HEALTH_MARK = "    # raytp: no ingress replica up -> 503 at once\n"
+
+
+def _sections(lines: list[str]) -> list[tuple[str, int, int]]:
+    """(header, first line, end) of each top-level section."""
+    starts = [i for i, line in enumerate(lines) if line[:1] not in ("", " ", "\t", "\n", "#")]
+    return [(lines[i].strip(), i, j) for i, j in zip(starts, [*starts[1:], len(lines)], strict=True)]
+
+
+def _active_servers(lines: list[str], sections: list[tuple[str, int, int]]) -> dict[str, list[str]]:
+    """backend name -> its servers that are not `backup` (the ingress replicas; the fallback proxy aside)."""
+    found = {}
+    for header, a, b in sections:
+        if header.startswith("backend "):
+            words = [ln.split() for ln in lines[a + 1 : b]]
+            found[header.split()[1]] = [w[1] for w in words if w[:1] == ["server"] and "backup" not in w]
+    return found
+
+
+def _root_backend(frontend: list[str]) -> str | None:
+    """The backend of the app at "/" (Ray renders `acl is_NAME path_beg /` for it)."""
+    for line in frontend:
+        words = line.split()
+        if len(words) == 4 and words[0] == "acl" and words[2:] == ["path_beg", "/"] and words[1].startswith("is_"):
+            return words[1][len("is_") :]
+    return None
+
+
+def answer_health_without_replicas(text: str, body_file: str) -> str:
+    """Make HAProxy answer `GET /health` with 503 itself while the app at "/" has no ingress replica up.
+
+    Why: while Serve replaces the only replica (its engine died), Ray's config leaves the app's backend
+    with just Serve's fallback proxy (`backup`), and the proxy holds each request until a new replica
+    has loaded the model: /health hung ~30 s instead of saying "unavailable". The rule names the
+    backend's non-backup servers (`srv_is_up`; `nbsrv` would count the fallback) and, with none listed,
+    holds for every /health. Other routes keep Ray's behaviour (they wait for the new replica).
+    """
+    lines = text.splitlines(keepends=True)
+    if _HEALTH_MARK in lines:
+        return text
+    sections = _sections(lines)
+    frontend = next(((a, b) for header, a, b in sections if header == "frontend http_frontend"), None)
+    if frontend is None:
+        return text
+    body = lines[frontend[0] + 1 : frontend[1]]
+    root, servers = _root_backend(body), _active_servers(lines, sections)
+    routing = [i for i, ln in enumerate(body) if ln.lstrip().startswith(("use_backend", "default_backend"))]
+    if root is None or root not in servers or not routing:
+        return text
+    down = "".join(f" !{{ srv_is_up({root}/{name}) }}" for name in servers[root])
+    rule = f"    http-request return status 503 content-type application/json file {body_file}"
+    rule += f" if {{ path {HEALTH_ROUTE} }}{down}\n"
+    at = frontend[0] + 1 + routing[0]
+    return "".join([*lines[:at], _HEALTH_MARK, rule, *lines[at:]])
+
+
 def _config_path(args: list[str]) -> str | None:
     for i, arg in enumerate(args[:-1]):
         if arg == "-f":
@@ -70,6 +128,9 @@ def _rewrite(path: str) -> None:
     with open(path) as f:
         text = f.read()
     narrowed = narrow_config(text)
+    body_file = os.environ.get(HEALTH_503_ENV)
+    if body_file:
+        narrowed = answer_health_without_replicas(narrowed, body_file)
     if narrowed != text:
         tmp = f"{path}.raytp-{os.getpid()}"
         with open(tmp, "w") as f:

@@ -26,9 +26,10 @@ from raytp.cli.port_guard import holders, is_leftover_haproxy, listening_inodes
 from tests.helpers.ports import free_port
 
 
-def _ray_config(directory: Path, port: int) -> Path:
-    """The config Ray Serve's HAProxyManager writes for an HTTP proxy on 127.0.0.1:`port`."""
-    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+def _ray_config(directory: Path, port: int, replicas: list[int] | None = None, fallback: int | None = None) -> Path:
+    """The config Ray Serve's HAProxyManager writes for an HTTP proxy on 127.0.0.1:`port`; with `fallback`,
+    the app "raytp" at "/" on those replica ports, and Serve's fallback proxy as the backup."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
     cfg = HAProxyConfig(
@@ -39,7 +40,15 @@ def _ray_config(directory: Path, port: int) -> Path:
         metrics_socket_path=str(directory / "metrics.sock"),
         is_head=True,
     )
-    HAProxyApi(cfg=cfg, config_file_path=str(directory / "haproxy.cfg"))._generate_config_file_internal()
+    backends = {}
+    if fallback is not None:
+        servers = [ServerConfig(name=f"REPLICA-{p}", host="127.0.0.1", port=p) for p in replicas or []]
+        backup = ServerConfig(name="SERVE_PROXY_ACTOR-fallback", host="127.0.0.1", port=fallback)
+        backends["raytp"] = BackendConfig(
+            name="http-raytp", path_prefix="/", servers=servers, fallback_server=backup, app_name="raytp"
+        )
+    api = HAProxyApi(cfg=cfg, backend_configs=backends, config_file_path=str(directory / "haproxy.cfg"))
+    api._generate_config_file_internal()
     return directory / "haproxy.cfg"
 
 
@@ -170,3 +179,57 @@ def test_a_port_held_by_a_process_that_is_no_haproxy_is_refused() -> None:
         with pytest.raises(PortInUseError, match=f"pid {os.getpid()}"):
             claim_port(port)
     claim_port(port)  # nothing listens now: no error
+
+
+def _get(port: int, path: str, timeout: float = 5) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_health_is_503_at_once_while_no_replica_is_up(tmp_path: Path) -> None:
+    """While Serve replaces the only replica, HAProxy has just the fallback proxy, which holds every request
+    until a new replica is up: /health must not wait for it. A listener that never answers stands in for
+    the fallback proxy; a listed replica that is down counts as none."""
+    import json
+    import socket as sockets
+
+    from raytp.cli.haproxy_shim import answer_health_without_replicas
+
+    directory = Path(os.path.realpath(tmp_path))
+    env = private_haproxy_env(directory, real_haproxy_binary())
+    health_503 = directory / "health-503.json"
+    with sockets.socket() as stuck, sockets.socket() as dead:
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen()  # accepts, never answers: like the fallback proxy waiting for a replica
+        dead.bind(("127.0.0.1", 0))  # a replica port nothing listens on
+        for replicas in ([], [dead.getsockname()[1]]):
+            port = free_port()
+            config = _ray_config(directory, port, replicas=replicas, fallback=stuck.getsockname()[1])
+            narrowed = answer_health_without_replicas(narrow_config(config.read_text()), str(health_503))
+            assert answer_health_without_replicas(narrowed, str(health_503)) == narrowed
+            assert narrowed.count("srv_is_up(") == len(replicas)
+            assert all(f"srv_is_up(http-raytp/REPLICA-{r})" in narrowed for r in replicas)
+            parent = subprocess.Popen(
+                [sys.executable, "-c", _PARENT, env["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                parent.stdout.readline()  # type: ignore[union-attr]
+                assert _wait(lambda p=port: listening_inodes(p)), "HAProxy did not listen"  # type: ignore[misc]
+                time.sleep(1.5)  # the down replica's health checks (fall 2, 250 ms apart) mark it DOWN
+                start = time.monotonic()
+                status, body = _get(port, "/health")
+                assert status == 503 and time.monotonic() - start < 2, (status, body)
+                assert json.loads(body)["error"]["code"] == "engine_unavailable"
+                with pytest.raises(OSError):  # any other route still waits for a replica (Ray's behaviour)
+                    _get(port, "/v1/models", timeout=1)
+            finally:
+                parent.kill()
+                parent.wait(timeout=30)
