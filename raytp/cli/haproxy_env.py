@@ -56,7 +56,10 @@ def private_haproxy_env(directory: Path, real_binary: str) -> dict[str, str]:
 
     health = directory / "health-503.json"
     health.write_text(
-        json.dumps(OpenAIError(ENGINE_UNAVAILABLE, 503, "server_error", code="engine_unavailable").body())
+        json.dumps(
+            OpenAIError(ENGINE_UNAVAILABLE, 503, "server_error", code="engine_unavailable").body(),
+            separators=(",", ":"),
+        )
     )
     launcher = directory / "haproxy"
     launcher.write_text(

@@ -4,6 +4,7 @@
   own API port only (no shared stats/exporter ports to collide on).
 - Ctrl-C (SIGINT) and SIGTERM are back within seconds (Serve's graceful shutdown took 30-40 s), and
   nothing of the server is left running: Ray, the model workers, HAProxy.
+- While Serve replaces a replica whose engine died, `GET /health` answers 503 at once (it hung ~30 s).
 - After `kill -9` of `raytp serve` alone, nothing of it lives on (HAProxy used to keep the API port; Ray's
   two agents take up to a minute to follow), and the next `raytp serve` on the same port starts at once.
 """
@@ -11,7 +12,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import time
 from pathlib import Path
 
 import requests
@@ -103,3 +106,24 @@ def _side_by_side_then_stopped(model: str, a: ServeProcess, b: ServeProcess, por
         took = c.stop_within(signal.SIGTERM, STOP_S)
         assert not wait_gone(c, 5), f"left running after SIGTERM ({took:.1f} s): {c.processes()}"
     assert not wait_gone(b, 90), f"Ray's agents outlived the killed server: {b.processes()}"
+
+
+def test_health_answers_at_once_while_serve_replaces_the_replica(tmp_path: Path) -> None:
+    """A TP worker killed: first the replica itself, then (while Serve replaces it) HAProxy answers 503 at
+    once, until the new replica serves and /health is 200 again."""
+    model = make_tiny_llama(tmp_path)
+    with raytp_serve(model, free_port(), *SMALL) as server:
+        server.wait_until_serving()
+        assert requests.get(server.base + "/health", timeout=10).status_code == 200
+        workers = [pid for pid, cmd in server.processes().items() if cmd.startswith("ray::Worker")]
+        assert len(workers) == 1, server.processes()
+        os.kill(workers[0], signal.SIGKILL)
+        statuses, deadline = [], time.monotonic() + 300
+        while not (503 in statuses and statuses[-1] == 200):
+            assert time.monotonic() < deadline, f"no new replica within 300 s: {statuses}"
+            start = time.monotonic()
+            # A timeout here (ReadTimeout) is the bug: /health held while no replica was up.
+            statuses.append(requests.get(server.base + "/health", timeout=5).status_code)
+            assert time.monotonic() - start < 5
+            time.sleep(0.5)
+        assert set(statuses) == {200, 503}, statuses
