@@ -1,8 +1,8 @@
 """`raytp serve`: start (or join) Ray, deploy the app, print where it listens, block until a signal.
 
-Shutdown (decision): on Ctrl-C or SIGTERM the app is deleted; if this process started Ray
-it also shuts Serve and Ray down, so nothing is left running. On a cluster it joined
-(RAY_ADDRESS), Serve itself is left up: other applications may live there.
+Shutdown (decision): on Ctrl-C or SIGTERM, a Ray this process started is shut down at once (Serve and
+HAProxy with it), so nothing is left running (`_teardown`). On a cluster it joined (RAY_ADDRESS) only the
+app is deleted and Serve is left up: other applications may live there.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     from ray import serve
 
     from cluster.ray_utils import ensure_ray
+    from raytp.cli.haproxy_env import release, use_private_haproxy
+    from raytp.cli.port_guard import claim_port
     from raytp.openai.request_id import enable_proxy_guard
     from raytp.serve.app import build_app
     from raytp.serve.args import use_serve_defaults
@@ -69,8 +71,11 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         raise KeyboardInterrupt  # also interrupts a deployment still in progress
 
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+    haproxy_dir = None
     if not joined:
+        claim_port(port)  # a leftover HAProxy on it is stopped, anything else refused, before Ray starts
         _claim_the_machines_cores(sa)
+        haproxy_dir = use_private_haproxy(host)
     enable_proxy_guard()  # the HTTP proxies of a cluster started here validate X-Request-Id
     use_serve_defaults()  # ... and run Serve's high-throughput mode
     ensure_ray()
@@ -91,7 +96,11 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         print("raytp: shutting down", file=sys.stderr, flush=True)
-        _teardown(joined)
+        try:
+            _teardown(joined)
+        finally:
+            if haproxy_dir is not None:
+                release(haproxy_dir)
     return 0
 
 
@@ -130,14 +139,15 @@ def _check_model(engine: EngineConfig) -> None:
 
 
 def _teardown(joined: bool) -> None:
+    """Decision: a Ray this process started is shut down at once, without Serve's graceful shutdown first.
+    `serve.shutdown()` waited for the controller to drain and stop every replica and gave up after 30 s
+    ("Controller failed to shut down within 30.0s"), so Ctrl-C took 30-40 s; nothing outlives this Ray
+    (the model's state is its memory), and `ray.shutdown()` ends every process of it: the raylet's end
+    ends its workers, and HAProxy ends with its actor (haproxy_shim.py)."""
     import ray
     from ray import serve
 
-    try:
-        if joined:
-            serve.delete(APP_NAME)
-        else:
-            serve.shutdown()
-    finally:
-        if not joined:
-            ray.shutdown()
+    if joined:
+        serve.delete(APP_NAME)
+    else:
+        ray.shutdown()

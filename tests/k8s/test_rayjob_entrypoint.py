@@ -9,18 +9,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +21,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from raytp.cli.args import engine_config_from_args
-from tests.helpers.ports import free_port
+from tests.helpers.ray_cluster import local_ray_cluster
 from tests.k8s.chart import load_values, merged_values, one, render
 
 BIN = Path(sys.executable).parent
@@ -77,43 +70,6 @@ def test_entrypoint_quotes_what_the_shell_would_split() -> None:
 
 
 # ---- the entrypoint run as written on a local Ray cluster ---------------------------------------------
-
-
-@contextlib.contextmanager
-def _local_ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
-    """`ray start --head --block` in its own process group; yields the dashboard (job API) address.
-
-    Every port is chosen free and the temp dir is private, so other clusters on this machine are
-    untouched; stopping it signals only this process group.
-    """
-    dashboard = free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rtp", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    cmd = [
-        str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", f"--port={free_port()}", f"--dashboard-port={dashboard}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={free_port()}",
-        f"--metrics-export-port={free_port()}", f"--ray-client-server-port={free_port()}",
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"ray start exited: {log.read_text()[-3000:]}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{address}/api/version", timeout=5):
-                break
-            assert time.monotonic() < deadline, f"the Ray dashboard did not come up: {log.read_text()[-3000:]}"
-            time.sleep(1)
-        yield address
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -183,7 +139,7 @@ def test_entrypoint_runs_as_written_on_a_local_ray_cluster(tmp_path: Path) -> No
     # Token auth off explicitly: whether `ray start` turns it on depends on a token file in $HOME.
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    with _local_ray_cluster(env, tmp_path / "ray-start.log") as address:
+    with local_ray_cluster(env, tmp_path / "ray-start.log") as address:
         proc = subprocess.run(
             # As KubeRay's submitter: its shell splits the entrypoint into words, and Ray quotes each again.
             [str(BIN / "ray"), "job", "submit", "--address", address, "--", *words],
