@@ -69,8 +69,12 @@ def read_lines(*paths: Path) -> list[dict[str, Any]]:
 
 
 def comparable(body: dict[str, Any]) -> dict[str, Any]:
-    """A response body without what differs between any two answers (its id and creation time)."""
-    return {k: v for k, v in body.items() if k not in ("id", "created")}
+    """A response body without what differs between any two answers: its id, creation time and tool call ids."""
+    out = {k: v for k, v in body.items() if k not in ("id", "created")}
+    for choice in out.get("choices") or []:
+        for call in (choice.get("message") or {}).get("tool_calls") or []:
+            call.pop("id", None)
+    return out
 
 
 def by_id(lines: list[dict[str, Any]]) -> dict[str, tuple[int, dict[str, Any]]]:

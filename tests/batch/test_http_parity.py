@@ -20,6 +20,15 @@ from tests.serving.live_server import live_server
 
 pytestmark = pytest.mark.slow
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": SCHEMA}}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "pick"}], "max_tokens": 40, "temperature": 0}
+
 
 def test_batch_bodies_equal_the_http_servers(tmp_path: Path) -> None:
     model_dir = make_tiny_llama(tmp_path / "model")
@@ -32,6 +41,20 @@ def test_batch_bodies_equal_the_http_servers(tmp_path: Path) -> None:
             ("tokenize-both", "/tokenize", {"prompt": "x", "messages": []}),
             ("detokenize", "/detokenize", {"tokens": [1, 2, 3]}),
             ("detokenize-bad", "/detokenize", {"tokens": [1 << 30]}),
+        ]
+    ]
+    rows += [  # structured outputs and tool calls go through the same handlers
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {**CHAT, **extra}}
+        for cid, extra in [
+            (
+                "json-schema",
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+            ),
+            ("json-seeded", {"response_format": {"type": "json_object"}, "temperature": 1.0, "seed": 3}),
+            ("tool-named", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "pick"}}}),
+            ("tool-required", {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}),
+            ("bad-schema", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}}),
+            ("bad-tool", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
         ]
     ]
     assert {r["url"] for r in rows} == set(ROUTES_BY_PATH), "every route of the server has a row here"

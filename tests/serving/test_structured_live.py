@@ -133,11 +133,13 @@ def test_completions_and_guided_fields_and_streaming(server: LiveServer) -> None
     City.model_validate_json(text)
 
 
-def test_instructor_extracts_a_typed_object(server: LiveServer) -> None:
-    """A real agent library (instructor) on the live server, in its JSON-schema mode."""
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+def test_instructor_extracts_a_typed_object(server: LiveServer, mode: str) -> None:
+    """A real agent library (instructor) on the live server: through response_format, and through a named
+    tool_choice (instructor's default mode)."""
     import instructor
 
-    client = instructor.from_openai(server.client(), mode=instructor.Mode.JSON_SCHEMA)
+    client = instructor.from_openai(server.client(), mode=getattr(instructor.Mode, mode))
     city = client.chat.completions.create(
         model=MODEL, messages=ASK, response_model=City, temperature=1.0, seed=9, max_tokens=200, max_retries=0
     )

@@ -1,8 +1,7 @@
 """Tool calling on a live server (embedded SmolLM2, TP=1), through the official `openai` client.
 
-The xfail tests need the engine to enforce `SamplingParams.structured_outputs` (issue 31 item 1): until
-it does, the model writes free text and the calls are not valid. They assert what must hold once it
-does: every call's arguments validate against the tool's schema, streamed or not.
+`required` and named tool choice are enforced by the engine's grammar constraint: every call's arguments
+validate against the tool's schema, streamed or not.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import pytest
 from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server
 
 pytestmark = pytest.mark.slow
-needs_engine = pytest.mark.xfail(reason="needs engine structured outputs", strict=False)
 
 WEATHER = {
     "type": "object",
@@ -54,7 +52,6 @@ def check_calls(calls: list[tuple[str, str]]) -> None:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-@needs_engine
 def test_named_tool_choice_gives_valid_arguments(server: LiveServer) -> None:
     resp = server.client().chat.completions.create(
         model="SmolLM2-135M-Instruct",
@@ -71,7 +68,6 @@ def test_named_tool_choice_gives_valid_arguments(server: LiveServer) -> None:
     check_calls([(c.function.name, c.function.arguments) for c in calls])  # type: ignore[union-attr]
 
 
-@needs_engine
 @pytest.mark.parametrize("parallel", [True, False])
 def test_streamed_required_reassembles_into_valid_calls(server: LiveServer, parallel: bool) -> None:
     stream = server.client().chat.completions.create(
