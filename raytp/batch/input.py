@@ -94,8 +94,14 @@ class Validation:
     num_errors: int
 
 
-def validate_file(path: str | Path) -> Validation:
-    """Every structural fault of the file (one pass, streamed)."""
+def _names_another_model(body: dict[str, Any], served_model: str | None) -> bool:
+    model = body.get("model")
+    return served_model is not None and isinstance(model, str) and model != "" and model != served_model
+
+
+def validate_file(path: str | Path, served_model: str | None = None) -> Validation:
+    """Every structural fault of the file (one pass, streamed). With `served_model`, a row that names another
+    model is refused too: the server would answer it 404, so the job would run only to fail it."""
     seen: set[str] = set()
     errors: list[BatchError] = []
     total = num_errors = 0
@@ -103,6 +109,13 @@ def validate_file(path: str | Path) -> Validation:
         if isinstance(item, BatchRow) and item.custom_id in seen:
             item = BatchError(
                 "duplicate_custom_id", f"custom_id {item.custom_id!r} appears more than once.", "custom_id", item.line
+            )
+        elif isinstance(item, BatchRow) and _names_another_model(item.body, served_model):
+            item = BatchError(
+                "model_not_found",
+                f"The model `{item.body['model']}` is not served by this job; it serves `{served_model}`.",
+                "body.model",
+                item.line,
             )
         if isinstance(item, BatchError):
             num_errors += 1

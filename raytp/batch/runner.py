@@ -27,6 +27,7 @@ import numpy as np
 from cluster.config import EngineConfig
 from cluster.metrics.ray_metrics import BatchMetrics
 from cluster.metrics.stats import BatchProgress
+from model_exec.source import resolve_model
 from raytp.batch.input import BatchError, BatchRow, iter_rows, validate_file
 from raytp.batch.journal import Journal
 from raytp.batch.output import is_failure, write_final
@@ -64,6 +65,11 @@ class BatchJob:
             raise ValueError("batch_size must be at least 1.")
 
     @property
+    def model_name(self) -> str:
+        """The name rows must send as `model` (or omit): as the server names it."""
+        return self.served_model_name or resolve_model(self.engine.model, self.engine.revision).name
+
+    @property
     def journal_path(self) -> Path:
         p = Path(self.output_file)
         return p.with_name(p.name + ".journal")
@@ -96,11 +102,20 @@ def _usage(line: dict[str, Any]) -> tuple[int, int]:
     return int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
 
 
+def _served_name_if_known(job: BatchJob) -> str | None:
+    """The served model's name, or None when the model does not resolve (then the file is checked without it,
+    and the job fails at the model's load, naming it)."""
+    try:
+        return job.model_name
+    except Exception:
+        return None
+
+
 def validate_only(job: BatchJob) -> BatchStatus:
     """The whole file and its journal checked, no compute; raises BatchRefused listing each bad line."""
     status = BatchStatus(status_path_for(job.output_file), job.input_file, job.output_file, job.error_file)
     status.set("validating")
-    checked = validate_file(job.input_file)
+    checked = validate_file(job.input_file, _served_name_if_known(job))
     errors = checked.errors
     message = f"{checked.num_errors} invalid line(s) in {job.input_file}"
     if not errors and job.journal_path.exists():
@@ -123,8 +138,7 @@ def run_batch(job: BatchJob) -> BatchStatus:
     status = validate_only(job)
     journal = Journal(job.journal_path)
     # The job's progress gauges (raytp:batch_rows_*), labelled by the status file's batch id.
-    model_name = job.served_model_name or Path(job.engine.model or "SmolLM2-135M-Instruct").name
-    metrics = BatchMetrics(model_name, status.id)
+    metrics = BatchMetrics(job.model_name, status.id)
     try:
         _count_committed(journal, status)
         status.set("in_progress")

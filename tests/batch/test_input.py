@@ -121,3 +121,21 @@ def test_reading_and_validating_stay_flat_in_memory(tmp_path: Path) -> None:
     # Holding the parsed rows would add hundreds of MB; the id set adds ~20 MB.
     assert rss_big - rss_small < 40 * 1024
     assert validate_file(small).total == 2_000
+
+
+def test_rows_naming_a_model_not_served_are_refused_up_front(tmp_path: Path, capsys: Any) -> None:
+    """The server would 404 them: the job refuses the file before Ray or the model starts, naming the served
+    model (rows without a model, or naming the served one, pass)."""
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            json.dumps(row("a")),
+            json.dumps({**row("b"), "body": {**row("b")["body"], "model": "gpt-4o"}}),
+            json.dumps({**row("c"), "body": {**row("c")["body"], "model": "tiny-served"}}),
+        ],
+    )
+    rc = main(["batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--served-model-name", "tiny-served"])
+    assert rc == 2
+    listed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert [(e["line"], e["code"], e["param"]) for e in listed] == [(2, "model_not_found", "body.model")]
+    assert "tiny-served" in listed[0]["message"]
