@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
+from raytp.cli.haproxy_env import release
 from tests.helpers.serve_env import serve_defaults
 from tests.metrics.prom import free_port
 
@@ -20,7 +21,7 @@ def ray_metrics_port() -> Iterator[int]:
     if ray.is_initialized():
         ray.shutdown()
     port = free_port()
-    with serve_defaults():  # the Serve metrics as `raytp serve` produces them
+    with serve_defaults() as haproxy_dir:  # the Serve metrics as `raytp serve` produces them
         ray.init(
             address="local",
             num_cpus=2,
@@ -31,3 +32,4 @@ def ray_metrics_port() -> Iterator[int]:
         )
     yield port
     ray.shutdown()
+    release(haproxy_dir)

@@ -19,6 +19,7 @@ import ray
 import requests
 from ray import serve
 
+from raytp.cli.haproxy_env import release
 from raytp.openai.request_id import enable_proxy_guard
 from raytp.serve.app import build_app
 from tests.helpers.ports import free_port
@@ -71,7 +72,7 @@ def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]
     if ray.is_initialized():
         ray.shutdown()
     enable_proxy_guard()  # as `raytp serve` does: the proxies it starts validate X-Request-Id,
-    with serve_defaults():  # and Serve runs in its high-throughput mode
+    with serve_defaults() as haproxy_dir:  # and Serve runs in its high-throughput mode
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
@@ -81,6 +82,7 @@ def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]
     finally:
         serve.shutdown()
         ray.shutdown()
+        release(haproxy_dir)
 
 
 def sse_payloads(resp: requests.Response) -> list[Any]:
