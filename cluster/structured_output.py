@@ -19,7 +19,6 @@ schema fails to compile or fails its one request; it cannot stall the step for t
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,8 +30,6 @@ import numpy as np
 
 from scheduler.errors import RequestError
 from scheduler.structured_outputs import StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU); a template matcher is a few hundred KiB at most
 # Optional whitespace between JSON tokens, unless the request gives `whitespace_pattern`: a line break and
