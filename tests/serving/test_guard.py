@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from raytp.cli.main import build_parser
 from raytp.cli.serve import serve_args_of
 from raytp.openai.app import build_api
+from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
 from raytp.openai.protocol import DetokenizeRequest
 from raytp.openai.request_id import MAX_LEN, ProxyRequestIdGuard, is_safe, request_id_of
@@ -149,7 +150,8 @@ def test_body_limit_setting_from_flag_to_app() -> None:
 def test_every_serve_arg_is_a_flag_and_unset_flags_keep_its_defaults() -> None:
     import dataclasses
 
-    own = [f.name for f in dataclasses.fields(ServeArgs) if f.name != "engine"]
+    own = [f.name for f in dataclasses.fields(ServeArgs) if f.name not in ("engine", "chat")]
+    own += [f.name for f in dataclasses.fields(ChatSettings)]  # the chat flags are flat, as the engine's
     default = build_parser().parse_args(["serve"])
     assert all(getattr(default, name) is None for name in own)  # unset: ServeArgs' own default applies
     assert ServeArgs.from_dict(serve_args_of(default)) == ServeArgs()
@@ -160,3 +162,8 @@ def test_every_serve_arg_is_a_flag_and_unset_flags_keep_its_defaults() -> None:
     sa = ServeArgs.from_dict(serve_args_of(args))
     assert (sa.split_ingress, sa.ingress_replicas, sa.autoscaling_config) == (True, 2, {"max_replicas": 3})
     assert (sa.health_check_period_s, sa.max_ongoing_requests) == (1.5, 7)
+    chat = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    sa = ServeArgs.from_dict(serve_args_of(build_parser().parse_args(chat)))
+    assert sa.chat == ChatSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+    with pytest.raises(ValueError, match="needs a tool_call_parser"):
+        ServeArgs.from_dict(serve_args_of(build_parser().parse_args(["serve", "--enable-auto-tool-choice"])))
