@@ -111,12 +111,6 @@ class EngineConfig:
             raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")
 
     @property
-    def executor_backend(self) -> str:
-        if self.distributed_executor_backend is not None:
-            return self.distributed_executor_backend
-        return "inprocess" if self.tensor_parallel_size == 1 else "ray"
-
-    @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * _GiB)
 
@@ -128,6 +122,7 @@ class ResolvedEngineConfig(EngineConfig):
     run with it. None of these fields is None or `auto` (each must be given: no defaults)."""
 
     device: Literal["cpu", "cuda"] = field()
+    distributed_executor_backend: Literal["ray", "inprocess"] = field()  # decided: never None
     max_model_len: int = field()
     max_num_batched_tokens: int = field()
     block_size: int = field()

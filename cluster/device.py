@@ -21,12 +21,19 @@ CPU_BLOCK_SIZE = 128
 CUDA_BLOCK_SIZE = 16
 
 
+def resolve_executor_backend(config: EngineConfig) -> Literal["ray", "inprocess"]:
+    """`distributed_executor_backend` as given, else in-process at TP=1 and Ray above (vLLM's default)."""
+    if config.distributed_executor_backend is not None:
+        return config.distributed_executor_backend
+    return "inprocess" if config.tensor_parallel_size == 1 else "ray"
+
+
 def resolve_device(config: EngineConfig) -> Literal["cpu", "cuda"]:
     """`device` as given, or for `auto` whether a GPU is there: this process's for the in-process
     executor, the Ray cluster's for Ray workers (which then reserve one GPU per rank)."""
     if config.device in ("cpu", "cuda"):
         return "cpu" if config.device == "cpu" else "cuda"
-    if config.executor_backend == "inprocess":
+    if resolve_executor_backend(config) == "inprocess":
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

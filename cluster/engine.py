@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from cluster.config import EngineConfig, ResolvedEngineConfig
-from cluster.device import default_block_size, resolve_device
+from cluster.device import default_block_size, resolve_device, resolve_executor_backend
 from cluster.executor import Executor
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
@@ -78,7 +78,12 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
     device = resolve_device(config)
     block_size = config.block_size if config.block_size is not None else default_block_size(device)
     given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
-    resolved = {"device": device, "max_model_len": max_model_len, "max_num_batched_tokens": budget}
+    resolved = {
+        "device": device,
+        "distributed_executor_backend": resolve_executor_backend(config),
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": budget,
+    }
     return ResolvedEngineConfig(**{**given, **resolved, "block_size": block_size})
 
 
@@ -94,7 +99,7 @@ def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
 
 def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig) -> Executor:
     """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for."""
-    if config.executor_backend == "inprocess":
+    if config.distributed_executor_backend == "inprocess":
         from cluster.executor import InProcessExecutor
 
         return InProcessExecutor(config, model_config)

@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ops.attention.names import ATTENTION_BACKENDS  # torch-free, so configs can validate names
+from ops.attention.names import BACKENDS as _REGISTRY
 
 if TYPE_CHECKING:
     import torch
@@ -25,13 +26,6 @@ if TYPE_CHECKING:
     from ops.attention.base import AttentionBackend
 
 
-# name -> (module under ops.attention, class name, pip requirement)
-_REGISTRY: dict[str, tuple[str, str, str]] = {
-    "torch": ("torch_backend", "TorchAttentionBackend", ""),
-    "cpu": ("cpu_backend", "CpuAttentionBackend", ""),
-    "flash_attn": ("flash_attn_backend", "FlashAttnBackend", "flash-attn>=2.6"),
-    "xformers": ("xformers_backend", "XFormersBackend", "xformers>=0.0.28"),
-}
 _PACKAGE = {"flash_attn": "flash_attn", "xformers": "xformers.ops"}
 
 # Upstream flash-attn's paged-KV kernels accept only page (block) sizes that are multiples of this.
