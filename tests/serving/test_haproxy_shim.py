@@ -4,7 +4,9 @@ No Ray cluster: Ray's own config generator writes the file, the real `ray-haprox
 - the narrowed config is one HAProxy accepts, binds the API port alone on the address asked for, and
   keeps the admin socket owner-only;
 - HAProxy dies with the process that started it, even by SIGKILL (what Ray does to its actors);
-- a server directory whose owner is gone is removed at the next start; a live one is left alone.
+- a server directory whose owner is gone is removed at the next start; a live one is left alone;
+- HAProxy's own answers (503 with no server up, ...) are OpenAI-shaped JSON; those of its HTTP/1 parser
+  (400 for a 64 KiB header, 408) are still its HTML (HAProxy 2.8 sends them without errorfiles).
 """
 
 from __future__ import annotations
@@ -233,3 +235,99 @@ def test_health_is_503_at_once_while_no_replica_is_up(tmp_path: Path) -> None:
             finally:
                 parent.kill()
                 parent.wait(timeout=30)
+
+
+_ERROR_CODES = {400, 408, 413, 500, 501, 502, 503, 504}
+
+
+def _errorfiles(config: str) -> dict[int, str]:
+    found = [line.split() for line in config.splitlines() if line.split()[:1] == ["errorfile"]]
+    return {int(words[1]): words[2] for words in found}
+
+
+def _check_error_response(raw: bytes, status: int) -> dict[str, object]:
+    """`raw` is a complete HTTP response with `status` and an OpenAI-shaped JSON body; returns the error."""
+    import json
+
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    assert status_line.split()[:2] == ["HTTP/1.1", str(status)], status_line
+    headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+    assert headers["content-type"] == "application/json", headers
+    assert int(headers["content-length"]) == len(body), (headers, body)
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] is None, error
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error"), error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["code"], str), error
+    return error  # type: ignore[no-any-return]
+
+
+def test_haproxys_own_errors_come_from_openai_shaped_errorfiles(tmp_path: Path) -> None:
+    """The launcher's shim replaces Ray's errorfiles (502/503/504 as a plain-text 500) with raytp's; HAProxy
+    accepts the config, and each file it names is a complete response with an OpenAI-shaped body."""
+    from raytp.cli.haproxy_shim import use_error_files
+
+    directory = Path(os.path.realpath(tmp_path))
+    env = private_haproxy_env(directory, real_haproxy_binary())
+    config = _ray_config(directory, free_port(), replicas=[free_port()], fallback=free_port())
+    assert set(_errorfiles(config.read_text())) == {502, 503, 504}  # Ray's own
+    check = subprocess.run(  # through the launcher, as Ray runs it: the shim rewrites, then `haproxy -c`
+        [env["RAY_SERVE_HAPROXY_BINARY_PATH"], "-c", "-f", str(config)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    rewritten = config.read_text()
+    files = _errorfiles(rewritten)
+    assert set(files) == _ERROR_CODES, files
+    assert sum(line.split()[:1] == ["errorfile"] for line in rewritten.splitlines()) == len(_ERROR_CODES)
+    assert use_error_files(rewritten, files) == rewritten  # idempotent
+    section = rewritten.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0]
+    assert all(f"errorfile {code} {path}" in section for code, path in files.items())  # inherited by all
+    for code, path in files.items():
+        assert Path(path).is_file() and Path(path).parent == directory, path
+        _check_error_response(Path(path).read_bytes(), code)
+    assert _check_error_response(Path(files[503]).read_bytes(), 503)["code"] == "engine_unavailable"
+
+
+def _exchange(port: int, request: bytes, timeout: float = 10) -> bytes:
+    """What HAProxy answers to `request` before it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def test_haproxy_refuses_in_openai_json(tmp_path: Path) -> None:
+    """A live HAProxy through the shim: a request no server can take is a 503 in OpenAI's JSON shape (Serve's
+    fallback proxy is a port nothing listens on). A 64 KiB header (400) and a request that stalls (408;
+    a 1 s request timeout, where Ray leaves it to `timeout client`, an hour) are refused by HAProxy 2.8's
+    HTTP/1 parser, which sends its built-in HTML whatever the errorfiles: should this start failing, the
+    parser honours them now, and README's sentence on HAProxy's refusals is out of date."""
+    directory = Path(os.path.realpath(tmp_path))
+    env = private_haproxy_env(directory, real_haproxy_binary())
+    port = free_port()
+    config = _ray_config(directory, port, replicas=[], fallback=free_port())
+    config.write_text(config.read_text().replace("\ndefaults\n", "\ndefaults\n    timeout http-request 1s\n", 1))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, env["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        parent.stdout.readline()  # type: ignore[union-attr]
+        assert _wait(lambda: listening_inodes(port)), "HAProxy did not listen"
+        big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n"
+        for request, status in ((big, 400), (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", 408)):
+            answer = _exchange(port, request)
+            assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+            assert b"Content-Type: text/html" in answer, answer[:200]  # HAProxy's built-in page
+        time.sleep(1.5)  # the fallback's health checks (fall 2, 250 ms apart) mark it DOWN
+        request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        unavailable = _check_error_response(_exchange(port, request), 503)
+        assert unavailable["code"] == "engine_unavailable", unavailable
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
