@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from model_exec.architectures import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES
+
 if TYPE_CHECKING:
     import torch
 
@@ -20,15 +22,9 @@ ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _DTYPES = ("float32", "float16", "bfloat16")
-# model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
-_ARCH_BY_MODEL_TYPE: Mapping[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-# What `model_exec.models` implements (a test keeps the two in step); checked here, torch-free, so an
+# What `model_exec.models` implements (model_exec/architectures.py); checked here, torch-free, so an
 # unsupported model is refused by the controller before any worker starts.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_BY_MODEL_TYPE.values())
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -145,7 +141,7 @@ class ModelConfig:
         """
         model_type = getattr(hf_config, "model_type", None)
         archs = getattr(hf_config, "architectures", None) or []
-        architecture = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(str(model_type))
+        architecture = archs[0] if archs else ARCHITECTURE_BY_MODEL_TYPE.get(str(model_type))
         if architecture is None:
             raise ValueError(f"cannot tell the architecture of {model_type!r}: config lacks `architectures`")
         hidden_size = hf_config.hidden_size

@@ -1,13 +1,15 @@
-"""Model registry: HF `architectures` name -> our class, imported lazily."""
+"""Model classes by HF `architectures` name (the registry is model_exec/architectures.py), imported lazily."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from model_exec.architectures import ARCHITECTURES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,25 +36,16 @@ class CausalLM(Protocol):
 
     def modules(self) -> Iterator[nn.Module]: ...
 
-# architecture -> (module, class)
-_MODELS: Mapping[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("model_exec.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("model_exec.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("model_exec.models.llama", "LlamaForCausalLM"),
-}
-
 
 def supported_architectures() -> tuple[str, ...]:
-    return tuple(_MODELS)
+    return tuple(ARCHITECTURES)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in _MODELS:
-        raise ValueError(
-            f"model architecture {architecture!r} is not supported; supported: {', '.join(_MODELS)}"
-        )
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"model architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    arch = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(arch.module), arch.class_name)
 
 
 def build_model(

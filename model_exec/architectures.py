@@ -1,0 +1,27 @@
+"""The one registry of model architectures, torch-free: the controller refuses an unsupported model before
+any worker starts (`model_exec.config`), and the workers build the class it names (`model_exec.models`).
+
+A model family is one file under `model_exec/models/` and one row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str  # the HF config's `model_type`: names the architecture when a config has no `architectures`
+    module: str  # where the class lives (imported lazily, in the workers only)
+    class_name: str
+
+
+# HF `architectures[0]` -> the implementation
+ARCHITECTURES: Mapping[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", "model_exec.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Architecture("mistral", "model_exec.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": Architecture("qwen2", "model_exec.models.llama", "LlamaForCausalLM"),
+}
+# model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
+ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}
