@@ -121,9 +121,7 @@ def test_health_answers_at_once_while_serve_replaces_the_replica(tmp_path: Path)
         statuses, deadline = [], time.monotonic() + 300
         while not (503 in statuses and statuses[-1] == 200):
             assert time.monotonic() < deadline, f"no new replica within 300 s: {statuses}"
-            start = time.monotonic()
             # A timeout here (ReadTimeout) is the bug: /health held while no replica was up.
             statuses.append(requests.get(server.base + "/health", timeout=5).status_code)
-            assert time.monotonic() - start < 5
             time.sleep(0.5)
         assert set(statuses) == {200, 503}, statuses
