@@ -9,6 +9,13 @@ before attention reads it, so a chunk sees its own tokens and all earlier chunks
 KV cache layout, per layer: key_cache and value_cache each of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]` (the layout flash-attn's
 `block_table` APIs read directly).
+
+Per-layer options, fixed at construction (one backend instance per layer):
+- `sliding_window` w: a query at position p attends only keys at positions k with p - w < k <= p
+  (its last w tokens, itself included): HF's `kv_idx > q_idx - sliding_window`, flash-attn's
+  `window_size=(w - 1, 0)`. None: full causal attention.
+- `logits_soft_cap` c (Gemma 2): scores become c * tanh(scale * q.k / c) before the softmax.
+A backend that cannot honour one raises ValueError at construction, naming it (never ignores it).
 """
 
 from __future__ import annotations
@@ -48,14 +55,38 @@ class AttentionBackend(ABC):
     """Paged attention over a batch. Stateless apart from what `__init__` precomputes."""
 
     name: str = ""
+    # What this backend implements; the constructor refuses the options it does not.
+    supports_sliding_window: bool = False
+    supports_logits_soft_cap: bool = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        if sliding_window is not None:
+            if not isinstance(sliding_window, int) or sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive integer or None; got {sliding_window!r}.")
+            if not self.supports_sliding_window:
+                raise ValueError(f"attention_backend={self.name!r} does not implement sliding-window attention.")
+        if logits_soft_cap is not None:
+            if not logits_soft_cap > 0:
+                raise ValueError(f"logits_soft_cap must be positive or None; got {logits_soft_cap!r}.")
+            if not self.supports_logits_soft_cap:
+                raise ValueError(f"attention_backend={self.name!r} does not implement attention logit soft-capping.")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(

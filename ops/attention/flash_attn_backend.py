@@ -40,8 +40,19 @@ def check_flash_attn_block_size(block_size: int) -> None:
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+        )
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as exc:

@@ -84,9 +84,46 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+        )
         self._gqa = num_heads != num_kv_heads
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
+        """q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D], boolean `mask` (True = attend) -> [..., Hq, Lq, D].
+
+        SDPA has no soft-cap, so a soft-capped layer computes the scores itself (Gemma 2 only)."""
+        cap = self.logits_soft_cap
+        if cap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self._gqa
+            )
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=-3)
+            v = v.repeat_interleave(group, dim=-3)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
+        scores = cap * torch.tanh(scores / cap)
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
     def forward(
         self,
@@ -132,14 +169,16 @@ class TorchAttentionBackend(AttentionBackend):
             kv_shape = (n, padded_len, self.num_kv_heads, self.head_dim)
             k = _gather_blocks(key_cache, block_ids, 0).view(kv_shape)
             v = _gather_blocks(value_cache, block_ids, 1).view(kv_shape)
-            mask = (key_pos < seq_lens[start:stop, None]).view(n, 1, 1, padded_len)
-            o = F.scaled_dot_product_attention(
+            row_lens = seq_lens[start:stop, None]
+            mask = key_pos < row_lens
+            if self.sliding_window is not None:  # the query sits at seq_len - 1
+                mask &= key_pos >= row_lens - self.sliding_window
+            o = self._attend(
                 query[start:stop].unsqueeze(2),  # [n, Hq, 1, D]
                 k.transpose(1, 2),  # [n, Hkv, L, D], a strided view: no copy
                 v.transpose(1, 2),
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=self._gqa,
+                mask.view(n, 1, 1, padded_len),
+                causal=False,
             )
             out[start:stop] = o.squeeze(2)
 
@@ -175,13 +214,12 @@ class TorchAttentionBackend(AttentionBackend):
                 k = key_cache.index_select(0, block_ids).view(kv_shape)[:seq_len]
                 v = value_cache.index_select(0, block_ids).view(kv_shape)[:seq_len]
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - q_len)
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=self._gqa,
+            if self.sliding_window is not None:
+                # query i sits at p = seq_len - q_len + i and sees keys p - w < key <= p
+                if mask is None:
+                    mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril()
+                mask = mask.triu(seq_len - q_len - self.sliding_window + 1)
+            o = self._attend(
+                q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, causal=mask is None
             )
             out[lo:hi] = o[0].transpose(0, 1)

@@ -63,8 +63,19 @@ def _step_plan(meta: AttentionMetadata, block_size: int, fmha: Any) -> _StepPlan
 class XFormersBackend(AttentionBackend):
     name = "xformers"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+        )
         try:
             from xformers.ops import fmha
         except ImportError as exc:
