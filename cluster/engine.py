@@ -54,17 +54,6 @@ class EngineDeadError(RuntimeError):
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
     """Decide the knobs whose defaults depend on the model or the device."""
     max_model_len = model_config.max_position_embeddings
-    window = model_config.sliding_window
-    if window is not None and window < max_model_len:
-        # Attention here is always full. Up to `window` tokens a sliding window changes nothing, so the
-        # context is capped there: outputs stay exact (never silently wrong past the window).
-        if config.max_model_len is not None and config.max_model_len > window:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) is larger than the model's sliding_window ({window}); "
-                f"raytp does not implement sliding-window attention, so contexts are limited to {window} tokens."
-            )
-        logger.warning("the model uses sliding-window attention (%d): max_model_len is capped to it", window)
-        max_model_len = window
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
             raise ValueError(

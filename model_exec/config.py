@@ -7,7 +7,7 @@ context length) without loading any tensor library.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from model_exec.architectures import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES
@@ -22,6 +22,8 @@ ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _DTYPES = ("float32", "float16", "bfloat16")
+# activations model_exec.layers.activation implements (HF's names)
+HIDDEN_ACTS: tuple[str, ...] = ("silu",)
 # What `model_exec.models` implements (model_exec/architectures.py); checked here, torch-free, so an
 # unsupported model is refused by the controller before any worker starts.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
@@ -29,7 +31,12 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Llama-family model (Llama, Mistral, Qwen2, SmolLM2)."""
+    """What every decoder-only family shares, and what the controller needs (torch-free).
+
+    What only one family has (Gemma's soft-capping, a MoE's experts, Qwen3's q/k norms) is parsed by
+    that family's model file from `hf`, the checkpoint's config.json as read; this class does not grow
+    a flag per family.
+    """
 
     architecture: str  # HF `architectures[0]`; picks the model class from the registry
     vocab_size: int
@@ -53,9 +60,12 @@ class ModelConfig:
     # parameter dtype name ("float32", "float16", "bfloat16"); from_hf_config takes the checkpoint's,
     # the engine may replace() it with the dtype the user asked for
     dtype: str = "float32"
-    # Mistral/Qwen2 sliding-window size; our attention is always full, so this only caps exactness
-    sliding_window: int | None = None
+    # per layer: its sliding-window size (ops/attention/base.py gives the semantics), None for full
+    # attention; () means every layer is full (e.g. configs built by hand in tests)
+    layer_windows: tuple[int | None, ...] = ()
     hidden_act: str = "silu"
+    # the checkpoint's config.json as read, for the per-family fields each model file parses itself
+    hf: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,8 +93,14 @@ class ModelConfig:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu' is implemented")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; implemented: {', '.join(HIDDEN_ACTS)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_hidden_layers} layers"
+            )
+        if any(w is not None and (not isinstance(w, int) or w < 1) for w in self.layer_windows):
+            raise ValueError(f"sliding windows must be positive integers, got {self.layer_windows!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {_DTYPES}")
         if self.rope_scaling is not None:
@@ -99,6 +115,15 @@ class ModelConfig:
                 raise ValueError(f"rope_scaling of type {rope_type!r} is missing {missing}")
         if not all(isinstance(t, int) for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be integers, got {self.eos_token_ids!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest window of any windowed layer (None if every layer attends in full)."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
 
     @property
     def rope_type(self) -> str:
@@ -151,15 +176,13 @@ class ModelConfig:
         is_qwen2 = model_type == "qwen2" or architecture == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = _as_id_tuple(getattr(hf_config, "eos_token_id", None)) + tuple(extra_eos_token_ids)
-        sliding_window = getattr(hf_config, "sliding_window", None)
-        if is_qwen2 and not getattr(hf_config, "use_sliding_window", False):
-            sliding_window = None
+        num_layers = hf_config.num_hidden_layers
         return cls(
             architecture=architecture,
             vocab_size=hf_config.vocab_size,
             hidden_size=hidden_size,
             intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=getattr(hf_config, "head_dim", None) or hidden_size // num_heads,
@@ -174,9 +197,27 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_dtype_name(hf_config),
-            sliding_window=sliding_window,
-            hidden_act=getattr(hf_config, "hidden_act", "silu"),
+            layer_windows=_layer_windows(hf_config, num_layers),
+            hidden_act=getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu"),
+            hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else hf_config.to_dict(),
         )
+
+
+def _layer_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows from `layer_types` (transformers writes it for Gemma 2/3, Qwen2/3 and others),
+    else the one `sliding_window` for every layer (Mistral, Mixtral, Phi-3). Qwen-style configs window
+    only with `use_sliding_window` (their `layer_types` already says which layers)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return ()
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:  # older Qwen2 configs window only the layers from max_window_layers on
+        first = int(getattr(hf_config, "max_window_layers", 0) or 0) if hasattr(hf_config, "use_sliding_window") else 0
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    if len(layer_types) != num_layers:
+        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _normalise_rope(hf_config: Any, max_pos: int) -> tuple[float, dict[str, Any] | None]:

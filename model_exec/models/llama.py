@@ -1,13 +1,13 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2), tensor-parallel.
 
-Differences between the family members are config flags, not subclasses:
+Differences between the family members are config fields, not subclasses:
 qkv_bias (Qwen2), o_bias (Llama `attention_bias`), tied embeddings (SmolLM2),
-rope scaling (Llama 3.x). Every layer is built at its per-rank shard shape.
+rope scaling (Llama 3.x), per-layer sliding windows (Mistral, Qwen2).
+Every layer is built at its per-rank shard shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -15,21 +15,22 @@ from torch import nn
 
 from model_exec.config import ModelConfig
 from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from model_exec.layers.linear import (
-    GateUpParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    default_weight_loader,
-)
+from model_exec.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_exec.layers.norm import RMSNorm
 from model_exec.layers.rotary import RopeAngles, RotaryEmbedding
+from model_exec.models.loading import CheckpointLoader, ShardId
 from model_exec.parallel import TPGroup
 from ops.attention.base import AttentionBackend, AttentionMetadata
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend], rotary: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        attn_backend: type[AttentionBackend],
+        rotary: RotaryEmbedding,
+        layer: int,
     ) -> None:
         super().__init__()
         dtype = config.torch_dtype
@@ -47,7 +48,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
         self.rotary_emb = rotary  # one instance shared by all layers (its cache is not in state_dict)
-        self.attn = attn_backend(self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim**-0.5)
+        self.attn = attn_backend(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            config.head_dim**-0.5,
+            sliding_window=config.layer_window(layer),
+        )
 
     def forward(
         self,
@@ -84,10 +91,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend], rotary: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        attn_backend: type[AttentionBackend],
+        rotary: RotaryEmbedding,
+        layer: int,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, attn_backend, rotary)
+        self.self_attn = LlamaAttention(config, tp, attn_backend, rotary, layer)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
@@ -121,8 +133,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, attn_backend, self.rotary_emb)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp, attn_backend, self.rotary_emb, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
@@ -144,14 +155,12 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    # fused parameter -> the checkpoint tensors it is stacked from, in order
+class LlamaForCausalLM(CheckpointLoader):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
-    # fused parameter -> the shard id its weight_loader expects for each entry above
-    _packed_shard_ids: ClassVar[dict[str, tuple[str | int, ...]]] = {
+    packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = {
         "qkv_proj": ("q", "k", "v"),
         "gate_up_proj": (0, 1),
     }
@@ -177,42 +186,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> full-vocabulary logits [N, vocab] on rank 0, None on other ranks."""
         return self.lm_head.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load from (HF name, full tensor) pairs, streamed; each parameter cuts its own shard.
-
-        Raises ValueError for a checkpoint tensor with no home and for parameters left unloaded.
-        """
-        params = dict(self.named_parameters())
-        expected = {name: self._shards_expected(name) for name in params}
-        loaded: dict[str, set[str | int | None]] = {name: set() for name in params}
-        for ckpt_name, tensor in weights:
-            if "rotary_emb.inv_freq" in ckpt_name:
-                continue
-            if ckpt_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            param_name, shard_id = self._param_for(ckpt_name)
-            param = params.get(param_name)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {ckpt_name!r} matches no parameter of {self.config.architecture}"
-                )
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor, shard_id)
-            loaded[param_name].add(shard_id)
-        missing = sorted(n for n in params if len(loaded[n]) < expected[n])
-        if missing:
-            raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
-
-    def _param_for(self, ckpt_name: str) -> tuple[str, str | int | None]:
-        for packed, parts in self.packed_modules_mapping.items():
-            for i, part in enumerate(parts):
-                if f".{part}." in ckpt_name:
-                    return ckpt_name.replace(f".{part}.", f".{packed}."), self._packed_shard_ids[packed][i]
-        return ckpt_name, None
-
-    def _shards_expected(self, param_name: str) -> int:
-        for packed, parts in self.packed_modules_mapping.items():
-            if f".{packed}." in param_name:
-                return len(parts)
-        return 1
