@@ -15,13 +15,21 @@ class Architecture:
     model_type: str  # the HF config's `model_type`: names the architecture when a config has no `architectures`
     module: str  # where the class lives (imported lazily, in the workers only)
     class_name: str
+    gguf_arch: str | None = None  # GGUF `general.architecture` that loads into it (None: safetensors only)
+    notes: str = ""  # one line for README's table of models: the family's quirks raytp implements
 
 
 # HF `architectures[0]` -> the implementation
 ARCHITECTURES: Mapping[str, Architecture] = {
-    "LlamaForCausalLM": Architecture("llama", "model_exec.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": Architecture("mistral", "model_exec.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": Architecture("qwen2", "model_exec.models.llama", "LlamaForCausalLM"),
+    "LlamaForCausalLM": Architecture(
+        "llama", "model_exec.models.llama", "LlamaForCausalLM", "llama", "Llama 2/3.x, SmolLM2; rope scaling"
+    ),
+    "MistralForCausalLM": Architecture(
+        "mistral", "model_exec.models.llama", "LlamaForCausalLM", "llama", "sliding-window attention"
+    ),
+    "Qwen2ForCausalLM": Architecture(
+        "qwen2", "model_exec.models.llama", "LlamaForCausalLM", "qwen2", "q/k/v biases; per-layer windows"
+    ),
 }
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
 ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}

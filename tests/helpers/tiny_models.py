@@ -120,6 +120,12 @@ def make_tiny_untied_rope_scaled(tmp_path: str | os.PathLike[str], seed: int = 0
     return _make(Path(tmp_path) / "tiny-untied-rope-scaled", cfg, seed)
 
 
+def make_tiny_model(path: str | os.PathLike[str], config: Any, seed: int = 0) -> str:
+    """Any family's tiny model from its HF config object (e.g. transformers.Qwen3Config(...)), saved with
+    peaky random weights and the byte tokenizer; returns the dir."""
+    return _make(Path(path), config, seed)
+
+
 def _make(path: Path, config: Any, seed: int) -> str:
     from transformers import AutoModelForCausalLM
 
