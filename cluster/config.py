@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from model_exec.generation_config import check_generation_config_setting
 from ops.attention.names import ATTENTION_BACKENDS
 from scheduler.config import PREEMPTION_MODES, PreemptionMode
 
@@ -43,6 +44,11 @@ class EngineConfig:
     model: str | None = _opt(None, "HF dir, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
     revision: str | None = _opt(None, "hub revision of the model")
     trust_remote_code: bool = _opt(False, "accepted for vLLM compatibility; raytp never runs model code")
+    generation_config: str = _opt(
+        "auto",
+        "sampling defaults for requests that leave them unset: auto (the model's generation_config.json), "
+        "vllm (raytp's built-in defaults) or a folder holding a generation_config.json",
+    )
     dtype: str = _opt("auto", "auto: float32 on CPU, the checkpoint's half type on CUDA", _DTYPES)
     device: str = _opt("auto", "auto: cuda when available, else cpu", ("auto", "cpu", "cuda"))
     seed: int = _opt(0, "seed of the engine RNG, which draws a seed for every request that has none")
@@ -77,6 +83,7 @@ class EngineConfig:
     disable_log_stats: bool = _opt(False, "record no engine metrics (vLLM's flag; Ray Serve's own series remain)")
 
     def __post_init__(self) -> None:
+        check_generation_config_setting(self.generation_config)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}.")
         if self.device not in ("auto", "cpu", "cuda"):

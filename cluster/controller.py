@@ -199,6 +199,7 @@ class EngineLoop:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": mc.vocab_size,
             "eos_token_ids": list(mc.eos_token_ids),
+            "generation_defaults": dict(self.engine.generation_defaults),
             "block_size": cfg.block_size,
             "num_device_blocks": self.engine.block_manager.num_device_blocks,
             "tensor_parallel_size": cfg.tensor_parallel_size,

@@ -26,6 +26,7 @@ from cluster.outputs import RequestDelta
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig
+from model_exec.generation_config import sampling_defaults
 from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestError
@@ -81,7 +82,7 @@ def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     `tensor_parallel_size` cannot split its heads: the one place that check runs, for the engine and
     for `raytp serve`'s check before it starts Ray."""
     source = resolve_model(config.model, config.revision)
-    model_config = read_model_config(source, config.trust_remote_code)
+    model_config = read_model_config(source, config.trust_remote_code, config.generation_config)
     model_config.check_tp(config.tensor_parallel_size)
     return source, model_config
 
@@ -106,6 +107,14 @@ class LLMEngine:
         source, self.model_config = read_checked_model(config)
         self.config = resolve_config(config, self.model_config)
         self.model_name = source.name
+        # SamplingParams fields a request leaves unset take these (offline: LLM.get_default_sampling_params)
+        self.generation_defaults = sampling_defaults(source, config.generation_config)
+        if self.generation_defaults:
+            logger.warning(
+                "sampling defaults taken from the model's generation config: %s; requests that set a field "
+                "override it (start with --generation-config vllm to use raytp's own defaults)",
+                ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items()),
+            )
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.executor = executor_factory(self.config, self.model_config)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()

@@ -1,4 +1,6 @@
-"""`python -m model_exec.gguf_metadata GGUF_FILE TARGET_DIR`: a GGUF's config and tokenizer as HF files.
+"""`python -m model_exec.gguf_metadata GGUF_FILE TARGET_DIR`: a GGUF's config and tokenizer as HF files,
+and a generation_config.json from its `general.sampling.*` keys when it has any (llama.cpp's converter
+writes them from the model's generation_config.json; `model_exec.generation_config` reads them back).
 
 Run by `model_exec.source.gguf_metadata_dir` in a child process, because transformers' GGUF reader
 imports torch and the control plane must not. Writes into a temporary sibling of TARGET_DIR and
@@ -8,10 +10,29 @@ is fine (its copy is identical).
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+# GGUF `general.sampling.*` key -> the generation_config.json field it was converted from
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def sampling_config(gguf_file: Path) -> dict[str, Any]:
+    """The generation_config.json fields that the GGUF's `general.sampling.*` metadata holds."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_file).fields
+    return {name: fields[key].contents() for key, name in _SAMPLING_KEYS.items() if key in fields}
 
 
 def convert(gguf_file: Path, target: Path) -> None:
@@ -22,6 +43,9 @@ def convert(gguf_file: Path, target: Path) -> None:
     try:
         AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
+        sampling = sampling_config(gguf_file)
+        if sampling:
+            (tmp / "generation_config.json").write_text(json.dumps(sampling, indent=2))
         tmp.rename(target)
     except OSError:
         if not (target / "config.json").is_file():

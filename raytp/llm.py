@@ -31,6 +31,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with: SamplingParams' defaults, with the fields the
+        model's generation_config.json sets taken from it (vLLM's `--generation-config auto`; the engine
+        argument `generation_config="vllm"` leaves SamplingParams' own)."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -40,7 +46,7 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -67,8 +67,11 @@ class ChatHandler:
         requested, max_param = requested_max_tokens(req)
         params = to_sampling_params(
             req,
-            max_tokens=resolve_max_tokens(requested, len(ids), ctx.max_model_len, max_param),
+            max_tokens=resolve_max_tokens(
+                requested, len(ids), ctx.max_model_len, max_param, ctx.generation_defaults.get("max_tokens")
+            ),
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            defaults=ctx.generation_defaults,
         )
         stream = ctx.stream(request_id, ids, self._after_reasoning(_with_tools(params, plan), ids))
         try:

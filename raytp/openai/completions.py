@@ -70,9 +70,12 @@ class CompletionHandler:
         for i, (_, ids) in enumerate(prompts):
             params = to_sampling_params(
                 req,
-                max_tokens=resolve_max_tokens(requested, len(ids), ctx.max_model_len, max_param),
+                max_tokens=resolve_max_tokens(
+                    requested, len(ids), ctx.max_model_len, max_param, ctx.generation_defaults.get("max_tokens")
+                ),
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                defaults=ctx.generation_defaults,
             )
             streams.append(ctx.stream(f"{request_id}-{i}", ids, params))
         texts = [t if t is not None else await ctx.decode(ids) for t, ids in prompts] if req.echo else []

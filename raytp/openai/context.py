@@ -59,6 +59,8 @@ class ServingContext:
     vocab_size: int
     max_token_chars: int  # see max_token_chars()
     chat: ChatSettings = field(default_factory=ChatSettings)  # tool-call and reasoning parsers (vLLM's flags)
+    # the model's sampling defaults (the engine's `generation_defaults`): what a request's unset field takes
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="raytp-tokenize")
     )

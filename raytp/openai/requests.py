@@ -8,8 +8,11 @@ Only the OpenAI-specific translation happens here. Values are validated once, by
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
+from model_exec.generation_config import SAMPLING_FIELDS
 from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from raytp.openai.structured import ResponseFormat
 from scheduler.errors import RequestError
@@ -42,10 +45,15 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     return ids[-keep:]
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int | None:
-    """OpenAI's semantics: a request whose prompt plus max_tokens cannot fit is a 400 (as vLLM answers);
-    None means "as many as fit", which the engine caps at max_model_len."""
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, param: str, default: int | None = None
+) -> int | None:
+    """OpenAI's semantics: a request whose prompt plus max_tokens cannot fit is a 400 (as vLLM answers).
+    Unrequested, the model's default (its generation_config's max_new_tokens) capped at what fits, as vLLM's
+    get_max_tokens; with no default, None: "as many as fit", which the engine caps at max_model_len."""
     room = max_model_len - prompt_len
+    if requested is None:
+        return default if default is None or room <= 0 else min(default, room)
     if requested is not None and 0 < room < requested:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -119,30 +127,45 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**spec, field=field)
 
 
+# SamplingParams' own defaults of the fields a model may set (vLLM's `--generation-config vllm`)
+_BUILTIN = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_FIELDS}
+
+
+def _or_default(value: Any, name: str, defaults: Mapping[str, Any]) -> Any:
+    """The request's value; where it is unset (omitted or null), the model's default, else SamplingParams'."""
+    if value is not None:
+        return value
+    return defaults.get(name, _BUILTIN[name])
+
+
+
 def to_sampling_params(
     req: SamplingFields,
     *,
     max_tokens: int | None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """Raises RequestError (-> 400 naming the field) for values SamplingParams refuses."""
+    """`defaults`: the model's sampling defaults (`ServingContext.generation_defaults`), for the fields the
+    request leaves unset. Raises RequestError (-> 400 naming the field) for values SamplingParams refuses."""
+    defaults = defaults or {}
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise RequestError("best_of greater than n is not supported when streaming.", "best_of")
     kwargs: dict[str, Any] = dict(
         n=req.n,
         best_of=req.best_of,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        temperature=_or_default(req.temperature, "temperature", defaults),
+        top_p=_or_default(req.top_p, "top_p", defaults),
         seed=req.seed,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=_logit_bias(req.logit_bias),
         stop=req.stop or (),
         max_tokens=max_tokens,
-        top_k=req.top_k if req.top_k is not None else 0,
-        min_p=req.min_p if req.min_p is not None else 0.0,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        top_k=_or_default(req.top_k, "top_k", defaults),
+        min_p=_or_default(req.min_p, "min_p", defaults),
+        repetition_penalty=_or_default(req.repetition_penalty, "repetition_penalty", defaults),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,

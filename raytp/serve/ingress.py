@@ -46,6 +46,7 @@ class OpenAIIngress:
             model_name=args.served_model_name or source.name,
             max_model_len=int(info["max_model_len"]),
             vocab_size=int(info["vocab_size"]),
+            generation_defaults=dict(info["generation_defaults"]),
             max_token_chars=max_token_chars(tokenizer),
             chat=args.chat,
         )
