@@ -8,18 +8,19 @@ model (where it is, its config and tokenizer) is torch-free and lives in `model_
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
+from model_exec.architectures import ARCHITECTURES
 from model_exec.source import ModelSource, safetensors_files
 
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, full CPU tensor) one tensor at a time."""
+    """Yield (HF checkpoint name, full CPU tensor) one tensor at a time."""
     if src.kind == "gguf":
-        yield from _iter_gguf(src.gguf_path)
+        yield from _iter_gguf(src)
     else:
         yield from _iter_safetensors(Path(src.path))
 
@@ -36,37 +37,73 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-# ---- GGUF ------------------------------------------------------------------------------------
+# ---- GGUF ----------------------------------------------------------------------------------
+# Names come from the `gguf` package's own HF -> GGUF table (gguf.TensorNameMap, what llama.cpp's converter
+# uses), inverted over the checkpoint names Hugging Face gives the model: that table lists many HF spellings
+# per GGUF tensor (one per family that ever used it), and only the model's own names pick the right one.
 
-# GGUF tensor name (without .weight/.bias) -> HF name; blk.N.* are per layer
-_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_SKIP = {"rope_freqs"}  # derived from the config's rope parameters, not a weight
-_GGUF_ARCHS = ("llama", "qwen2")
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# recomputed from the config's rope parameters, never weights
+_GGUF_SKIP = ("rope_freqs", "rope_factors_long", "rope_factors_short", "attn_rot_embd")
+# llama.cpp stores Gemma's RMSNorm weights as (1 + w), the factor the norm applies; HF keeps w
+_NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
+_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<proj>\w+)")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """HF name for a GGUF tensor name; None for tensors to skip. Raises ValueError if unknown."""
+def supported_gguf_archs() -> tuple[str, ...]:
+    """GGUF `general.architecture` values that load: the registry rows' `gguf_arch`."""
+    return tuple(sorted({a.gguf_arch for a in ARCHITECTURES.values() if a.gguf_arch is not None}))
+
+
+def hf_checkpoint_names(hf_names: Iterable[str]) -> list[str]:
+    """Checkpoint names (without .weight/.bias) from Hugging Face's in-memory parameter names.
+
+    transformers 5 fuses MoE experts in memory (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, one
+    3-D tensor each) while checkpoints keep one tensor per expert; GGUF keeps gate and up apart, so the
+    fused name stands for both. Per-expert names (`experts.3.gate_proj`) fold into the stacked one.
+    """
+    out: list[str] = []
+    for name in hf_names:
+        base = re.sub(r"\.(weight|bias)$", "", name)
+        base = re.sub(r"\.experts\.\d+\.", ".experts.", base)
+        if base.endswith(".experts.gate_up_proj"):
+            stem = base.removesuffix("gate_up_proj")
+            out += [stem + "gate_proj", stem + "up_proj"]
+        else:
+            out.append(base)
+    return out
+
+
+def gguf_name_map(arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:
+    """GGUF tensor name (without .weight/.bias) -> HF checkpoint name, for GGUF architecture `arch`:
+    the `gguf` package's mapping from each of the model's HF names, inverted."""
+    import gguf
+
+    arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in arch_ids:
+        raise ValueError(f"the gguf package does not know GGUF architecture {arch!r}")
+    table = gguf.get_tensor_name_map(arch_ids[arch], num_layers)
+    mapping: dict[str, str] = {}
+    for hf in hf_checkpoint_names(hf_names):
+        gguf_name = table.get_name(hf)
+        if gguf_name is not None:
+            mapping.setdefault(gguf_name, hf)
+    return mapping
+
+
+def gguf_to_hf_names(gguf_name: str, mapping: dict[str, str], num_experts: int = 0) -> list[str]:
+    """The HF checkpoint names a GGUF tensor loads as: [] for tensors to skip, one per expert for stacked
+    expert tensors (`blk.N.ffn_gate_exps` -> `...mlp.experts.E.gate_proj.weight`), else one.
+    Raises ValueError for a tensor the mapping does not know."""
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _GGUF_SKIP:
-        return None
-    if base in _GGUF_GLOBAL and suffix in ("weight", "bias"):
-        return f"{_GGUF_GLOBAL[base]}.{suffix}"
-    m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _GGUF_LAYER:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if base.rpartition(".")[2] in _GGUF_SKIP:
+        return []
+    if suffix not in ("weight", "bias") or base not in mapping:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    hf = mapping[base]
+    m = _EXPERTS.fullmatch(hf)
+    if m and base.endswith("_exps"):
+        return [f"{m['prefix']}.{e}.{m['proj']}.{suffix}" for e in range(num_experts)]
+    return [f"{hf}.{suffix}"]
 
 
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -78,28 +115,60 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_parameter_names(config_dir: str) -> list[str]:
+    """Hugging Face's parameter names for the model whose config.json is in `config_dir` (built on the meta
+    device: names and shapes, no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return list(model.state_dict())
+
+
+def _iter_gguf(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGUFReader
+
+    arch = str(GGUFReader(src.gguf_path).fields["general.architecture"].contents())
+    if arch not in supported_gguf_archs():
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {supported_gguf_archs()}")
+    yield from iter_gguf_tensors(src.gguf_path, _hf_parameter_names(src.metadata_dir))
+
+
+def iter_gguf_tensors(path: str, hf_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, full float tensor) for every weight of the GGUF file `path`, whose model has
+    Hugging Face parameter names `hf_names`; llama.cpp's convert-time changes undone."""
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {_GGUF_ARCHS}")
-    n_head = int(reader.fields[f"{arch}.attention.head_count"].contents())
-    n_kv_head = int(reader.fields[f"{arch}.attention.head_count_kv"].contents())
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def field(key: str, default: int = 0) -> int:
+        return int(reader.fields[key].contents()) if key in reader.fields else default
+
+    n_head, n_kv_head = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
+    num_experts = field(f"{arch}.expert_count")
+    mapping = gguf_name_map(arch, field(f"{arch}.block_count"), hf_names)
     for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name)
-        if name is None:
+        names = gguf_to_hf_names(tensor.name, mapping, num_experts)
+        if not names:
             continue
         array = dequantize(tensor.data, tensor.tensor_type)  # one tensor at a time; float32 for quantised
         if not array.flags.writeable:  # unquantised tensors come back as read-only views of the file map
             array = np.array(array)
         weight = torch.from_numpy(array)
         # llama.cpp permutes q/k only for its llama architecture (Llama, Mistral, SmolLM2), not qwen2
-        if arch == "llama" and ".self_attn.q_proj." in name:
+        if arch == "llama" and ".self_attn.q_proj." in names[0]:
             weight = _unpermute_qk(weight, n_head)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
+        elif arch == "llama" and ".self_attn.k_proj." in names[0]:
             weight = _unpermute_qk(weight, n_kv_head)
-        yield name, weight
+        elif arch in _NORM_PLUS_ONE_ARCHS and names[0].endswith("norm.weight"):
+            weight = weight - 1.0
+        elif tensor.name.endswith("ffn_gate_inp_shexp.weight") and weight.dim() == 1:
+            weight = weight.unsqueeze(0)  # HF's shared_expert_gate is a [1, hidden] linear
+        if len(names) == 1:
+            yield names[0], weight
+        else:  # stacked experts [num_experts, ...]: one tensor each, as checkpoints keep them
+            yield from zip(names, weight.unbind(0), strict=True)

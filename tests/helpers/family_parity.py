@@ -52,10 +52,19 @@ def assert_logits_match(ours: list[torch.Tensor] | None, ref: list[torch.Tensor]
 
 
 def assert_prefill_matches_hf(
-    model_dir: str, world_sizes: tuple[int, ...] = (1, 2), atol: float = 1e-4, first_chunk: int = 3
+    model_dir: str,
+    world_sizes: tuple[int, ...] = (1, 2),
+    atol: float = 1e-4,
+    first_chunk: int = 3,
+    reference_dir: str | None = None,
 ) -> None:
-    """Prefill logits equal HF's at each TP size (threads), and for a chunked prefill at TP 1."""
-    ref = hf_prefill_logits(hf_model(model_dir), PREFILL_PROMPTS)
+    """Prefill logits equal HF's at each TP size (threads), and for a chunked prefill at TP 1.
+
+    `model_dir` is what raytp loads (a safetensors dir, a GGUF file or a dir holding one); HF's reference is
+    the safetensors model in `reference_dir` (default: `model_dir` itself).
+    """
+    reference = hf_model(reference_dir or model_dir)
+    ref = hf_prefill_logits(reference, PREFILL_PROMPTS)
     for ws in world_sizes:
 
         def rank(tp: TPGroup) -> list[torch.Tensor] | None:
@@ -68,7 +77,7 @@ def assert_prefill_matches_hf(
     chunked = [p for p in PREFILL_PROMPTS if len(p) > first_chunk]
     net, config = load_our_model(model_dir)
     ours = our_prefill_logits(net, config, chunked, first_chunk=first_chunk)
-    assert_logits_match(ours, hf_prefill_logits(hf_model(model_dir), chunked), atol)
+    assert_logits_match(ours, hf_prefill_logits(reference, chunked), atol)
 
 
 def assert_gloo_tp_matches_hf(model_dir: str, world_size: int, tmp_path: Path, atol: float = 1e-4) -> None:

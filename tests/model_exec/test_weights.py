@@ -22,7 +22,7 @@ from model_exec.source import (
     read_model_config,
     resolve_model,
 )
-from model_exec.weights import gguf_to_hf_name, iter_weights
+from model_exec.weights import gguf_name_map, gguf_to_hf_names, iter_weights
 from tests.helpers.tiny_models import (
     EOS_ID,
     hf_default_model,
@@ -273,16 +273,35 @@ def test_safetensors_uses_the_index_and_ignores_consolidated(tmp_path: Path) -> 
 
 
 def test_gguf_names_map_to_hf() -> None:
-    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
-    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
-    assert gguf_to_hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
-    assert gguf_to_hf_name("blk.0.attn_output.weight") == "model.layers.0.self_attn.o_proj.weight"
-    assert gguf_to_hf_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
-    assert gguf_to_hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
-    assert gguf_to_hf_name("rope_freqs.weight") is None
+    """The gguf package's HF -> GGUF table, inverted over the model's own HF names."""
+    hf = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.12.self_attn.q_proj.weight",
+        "model.layers.12.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.3.post_attention_layernorm.weight",
+        "model.layers.3.mlp.gate_proj.weight",
+    ]
+    mapping = gguf_name_map("llama", 13, hf)
+    assert gguf_to_hf_names("token_embd.weight", mapping) == ["model.embed_tokens.weight"]
+    assert gguf_to_hf_names("output_norm.weight", mapping) == ["model.norm.weight"]
+    assert gguf_to_hf_names("output.weight", mapping) == ["lm_head.weight"]
+    assert gguf_to_hf_names("blk.12.attn_q.bias", mapping) == ["model.layers.12.self_attn.q_proj.bias"]
+    assert gguf_to_hf_names("blk.0.attn_output.weight", mapping) == ["model.layers.0.self_attn.o_proj.weight"]
+    assert gguf_to_hf_names("blk.3.ffn_norm.weight", mapping) == ["model.layers.3.post_attention_layernorm.weight"]
+    assert gguf_to_hf_names("blk.3.ffn_gate.weight", mapping) == ["model.layers.3.mlp.gate_proj.weight"]
+    assert gguf_to_hf_names("rope_freqs.weight", mapping) == []
     with pytest.raises(ValueError, match="unexpected GGUF tensor"):
-        gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+        gguf_to_hf_names("blk.0.ffn_gate_exps.weight", mapping)
+    # transformers 5 fuses experts in memory; GGUF stacks gate and up apart; checkpoints keep one per expert
+    fused = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    moe = gguf_name_map("qwen3moe", 1, fused)
+    assert gguf_to_hf_names("blk.0.ffn_up_exps.weight", moe, num_experts=2) == [
+        "model.layers.0.mlp.experts.0.up_proj.weight",
+        "model.layers.0.mlp.experts.1.up_proj.weight",
+    ]
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:

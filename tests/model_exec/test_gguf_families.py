@@ -1,0 +1,112 @@
+"""GGUF for every family the `gguf` package maps (issue 28, item 5): tiny HF models written as GGUF the way
+llama.cpp converts them (tests/helpers/tiny_gguf.py), read back through the gguf package's own name table.
+
+- every architecture the harness writes round-trips: each GGUF tensor comes back under its HF checkpoint name
+  with the checkpoint's values (q/k permutation, Gemma's norm offset and stacked experts undone);
+- the families in the registry with a `gguf_arch` load from GGUF with prefill logits equal to HF's own
+  model on the safetensors, at TP 1 and 2;
+- a GGUF's `general.sampling.*` keys are its sampling defaults; an architecture outside the registry is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model_exec.generation_config import sampling_defaults
+from model_exec.source import ModelSource, resolve_model
+from model_exec.weights import _hf_parameter_names, iter_gguf_tensors, iter_weights
+from tests.helpers.family_parity import assert_prefill_matches_hf
+from tests.helpers.tiny_gguf import GGUF_ARCH, write_tiny_gguf
+from tests.helpers.tiny_models import BOS_ID, EOS_ID, make_tiny_llama, make_tiny_model, make_tiny_qwen2
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+_MOE: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def _config(model_type: str) -> Any:
+    """A tiny HF config of `model_type` with the family's parts switched on (q/k norms, experts, ...)."""
+    import transformers as tf
+
+    build: dict[str, Callable[[], Any]] = {
+        "qwen3": lambda: tf.Qwen3Config(**_COMMON, head_dim=16),
+        "gemma2": lambda: tf.Gemma2Config(**_COMMON, head_dim=16, sliding_window=8),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=8),
+        "phi3": lambda: tf.Phi3Config(**_COMMON, pad_token_id=0),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+            **_COMMON, **_MOE, num_experts=4, shared_expert_intermediate_size=48
+        ),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**_COMMON, **_MOE, num_experts=4, head_dim=16),
+    }
+    return build[model_type]()
+
+
+def _hf_dir(tmp: Path, model_type: str) -> str:
+    if model_type == "llama":
+        return make_tiny_llama(tmp)
+    if model_type == "qwen2":
+        return make_tiny_qwen2(tmp)
+    return make_tiny_model(tmp / model_type, _config(model_type))
+
+
+@pytest.mark.parametrize("model_type", sorted(GGUF_ARCH.keys() - {"mistral"}))
+def test_gguf_tensors_come_back_as_the_checkpoints(model_type: str, tmp_path: Path) -> None:
+    hf_dir = _hf_dir(tmp_path, model_type)
+    gguf_dir = Path(write_tiny_gguf(hf_dir, tmp_path / "gguf"))
+    checkpoint = load_file(str(Path(hf_dir, "model.safetensors")))
+    if _config_tied(hf_dir):
+        checkpoint.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for tied embeddings
+    seen = {}
+    for name, tensor in iter_gguf_tensors(str(gguf_dir / "model.gguf"), _hf_parameter_names(hf_dir)):
+        assert name in checkpoint, f"{model_type}: GGUF tensor came back as unknown {name!r}"
+        torch.testing.assert_close(tensor, checkpoint[name], rtol=0, atol=1e-6, msg=name)
+        seen[name] = tensor
+    assert set(seen) == set(checkpoint)
+
+
+def _config_tied(hf_dir: str) -> bool:
+    import json
+
+    return bool(json.loads(Path(hf_dir, "config.json").read_text()).get("tie_word_embeddings"))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gguf_family_loads_with_hf_parity(model_type: str, tmp_path: Path) -> None:
+    hf_dir = _hf_dir(tmp_path, model_type)
+    gguf_dir = write_tiny_gguf(hf_dir, tmp_path / "gguf")
+    assert_prefill_matches_hf(gguf_dir, world_sizes=(1, 2), reference_dir=hf_dir)
+
+
+def test_gguf_sampling_keys_are_its_generation_defaults(tmp_path: Path) -> None:
+    gguf_dir = write_tiny_gguf(make_tiny_llama(tmp_path), tmp_path / "gguf", sampling={"temp": 0.5, "top_k": 7})
+    src = resolve_model(gguf_dir)
+    assert sampling_defaults(src, "auto") == {"temperature": 0.5, "top_k": 7}
+    assert sampling_defaults(src, "vllm") == {}
+
+
+def test_gguf_architecture_outside_the_registry_is_refused(tmp_path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "bloom")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'bloom' is not supported"):
+        next(iter_weights(ModelSource("gguf", str(tmp_path), "m.gguf", "m")))
