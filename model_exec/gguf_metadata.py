@@ -2,6 +2,10 @@
 and a generation_config.json from its `general.sampling.*` keys when it has any (llama.cpp's converter
 writes them from the model's generation_config.json; `model_exec.generation_config` reads them back).
 
+transformers' GGUF config reader leaves out keys that llama.cpp writes and the families need (Qwen3's
+head_dim, the MoE expert widths, Gemma 2's soft-caps): those fields would keep the config class's
+defaults, wrong for most models. `_EXTRA_CONFIG_KEYS` fills them from the file.
+
 Run by `model_exec.source.gguf_metadata_dir` in a child process, because transformers' GGUF reader
 imports torch and the control plane must not. Writes into a temporary sibling of TARGET_DIR and
 renames it into place, so a reader never sees half a directory; losing a race to another process
@@ -27,6 +31,28 @@ _SAMPLING_KEYS = {
 }
 
 
+# GGUF `{arch}.` key -> the HF config field it holds, for keys transformers' reader does not map
+_EXTRA_CONFIG_KEYS = {
+    "attention.key_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
+def complete_config(config: Any, gguf_file: Path) -> None:
+    """Set the fields of `config` (a transformers config read from `gguf_file`) that transformers' reader
+    leaves at their defaults although the file holds them; only fields the config class has."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_file).fields
+    arch = str(fields["general.architecture"].contents())
+    for key, name in _EXTRA_CONFIG_KEYS.items():
+        if f"{arch}.{key}" in fields and hasattr(config, name):
+            setattr(config, name, fields[f"{arch}.{key}"].contents())
+
+
 def sampling_config(gguf_file: Path) -> dict[str, Any]:
     """The generation_config.json fields that the GGUF's `general.sampling.*` metadata holds."""
     from gguf import GGUFReader
@@ -41,7 +67,9 @@ def convert(gguf_file: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        complete_config(config, gguf_file)
+        config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
         sampling = sampling_config(gguf_file)
         if sampling:

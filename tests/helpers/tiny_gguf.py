@@ -48,12 +48,16 @@ def _metadata(writer: Any, arch: str, cfg: dict[str, Any]) -> None:
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type; GGUF's freq_base is the global layers'
     writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     if arch in ("gemma2", "gemma3", "qwen3", "qwen3moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if cfg.get("sliding_window") is not None and arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            getattr(writer, f"add_{cap}")(cfg[cap])
     if "num_experts" in cfg or "num_local_experts" in cfg:
         writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])

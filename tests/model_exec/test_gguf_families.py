@@ -10,6 +10,7 @@ llama.cpp converts them (tests/helpers/tiny_gguf.py), read back through the gguf
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,15 @@ def _config(model_type: str) -> Any:
 
     build: dict[str, Callable[[], Any]] = {
         "qwen3": lambda: tf.Qwen3Config(**_COMMON, head_dim=16),
-        "gemma2": lambda: tf.Gemma2Config(**_COMMON, head_dim=16, sliding_window=8),
+        # soft-caps other than the defaults: GGUF carries them in keys transformers' reader skips
+        "gemma2": lambda: tf.Gemma2Config(
+            **_COMMON, head_dim=16, sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=15.0
+        ),
         "gemma3_text": lambda: tf.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=8),
         "phi3": lambda: tf.Phi3Config(**_COMMON, pad_token_id=0),
-        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
-            **_COMMON, **_MOE, num_experts=4, shared_expert_intermediate_size=48
-        ),
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**_COMMON, **_MOE, num_experts=4, head_dim=16),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**_COMMON, **_MOE, num_experts=4, shared_expert_intermediate_size=48),
+        # norm_topk_prob: GGUF has no key for it; transformers assumes Qwen3-MoE's released value (True)
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**_COMMON, **_MOE, num_experts=4, head_dim=16, norm_topk_prob=True),
     }
     return build[model_type]()
 
@@ -81,9 +84,27 @@ def test_gguf_tensors_come_back_as_the_checkpoints(model_type: str, tmp_path: Pa
 
 
 def _config_tied(hf_dir: str) -> bool:
-    import json
-
     return bool(json.loads(Path(hf_dir, "config.json").read_text()).get("tie_word_embeddings"))
+
+
+# what GGUF does not carry or raytp does not read: names, init, and the file's own architectures list
+_NOT_IN_GGUF = {"_name_or_path", "architectures", "initializer_range", "transformers_version", "dtype", "pad_token_id"}
+
+
+@pytest.mark.slow  # one transformers GGUF read (a child process) per architecture
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe"])
+def test_gguf_config_equals_the_hf_config(model_type: str, tmp_path: Path) -> None:
+    """The config raytp derives from a GGUF (transformers' reader, completed from the keys it skips: head_dim,
+    expert widths, soft-caps) is the HF model's own."""
+    hf_dir = _hf_dir(tmp_path, model_type)
+    derived = json.loads(
+        Path(resolve_model(write_tiny_gguf(hf_dir, tmp_path / "gguf")).metadata_dir, "config.json").read_text()
+    )
+    original = json.loads(Path(hf_dir, "config.json").read_text())
+    assert derived["rms_norm_eps"] == pytest.approx(original.pop("rms_norm_eps"), rel=1e-6)  # stored as float32
+    assert {k: v for k, v in original.items() if k not in _NOT_IN_GGUF} == {
+        k: derived.get(k) for k in original if k not in _NOT_IN_GGUF
+    }
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
