@@ -33,3 +33,16 @@ def test_named_files_exist(doc: Path) -> None:
     broken = sorted(str(t.relative_to(ROOT)) for t in links if not t.exists())
     assert not missing, f"{doc.name} names paths that do not exist: {missing}"
     assert not broken, f"{doc.name} links to files that do not exist: {broken}"
+
+
+def test_readme_models_table_is_the_registrys(tmp_path: Path) -> None:
+    """README's table of models is what `python -m tools.models_table` prints from the registry."""
+    from tools.models_table import BEGIN, END, README, readme_table, table, update
+
+    assert readme_table(README.read_text()) == table(), (
+        "README's table of models differs from model_exec/architectures.py: run `python -m tools.models_table --update`"
+    )
+    stale = tmp_path / "README.md"
+    stale.write_text(f"# x\n\n{BEGIN}\n| old |\n{END}\n\n## next\n")
+    assert update(stale) and readme_table(stale.read_text()) == table() and stale.read_text().endswith("\n## next\n")
+    assert not update(stale)
