@@ -1,6 +1,7 @@
 """`python -m model_exec.gguf_metadata GGUF_FILE TARGET_DIR`: a GGUF's config and tokenizer as HF files,
-and a generation_config.json from its `general.sampling.*` keys when it has any (llama.cpp's converter
-writes them from the model's generation_config.json; `model_exec.generation_config` reads them back).
+and a generation_config.json from its `general.sampling.*` keys (llama.cpp's converter writes them from
+the model's generation_config.json; `model_exec.generation_config` reads them back) and its EOS, EOT and
+EOM token ids (all of them end generation, as in llama.cpp).
 
 transformers' GGUF config reader leaves out keys that llama.cpp writes and the families need (Qwen3's
 head_dim, the MoE expert widths, Gemma 2's soft-caps): those fields would keep the config class's
@@ -53,12 +54,21 @@ def complete_config(config: Any, gguf_file: Path) -> None:
             setattr(config, name, fields[f"{arch}.{key}"].contents())
 
 
-def sampling_config(gguf_file: Path) -> dict[str, Any]:
-    """The generation_config.json fields that the GGUF's `general.sampling.*` metadata holds."""
+# end-of-generation token ids: llama.cpp stops at each (Llama 3's <|eot_id|> and <|eom_id|> besides EOS)
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def generation_config(gguf_file: Path) -> dict[str, Any]:
+    """The generation_config.json that the GGUF's metadata amounts to: the `general.sampling.*` defaults,
+    and as `eos_token_id` every end-of-generation id the file names."""
     from gguf import GGUFReader
 
     fields = GGUFReader(gguf_file).fields
-    return {name: fields[key].contents() for key, name in _SAMPLING_KEYS.items() if key in fields}
+    out = {name: fields[key].contents() for key, name in _SAMPLING_KEYS.items() if key in fields}
+    eos = [int(fields[key].contents()) for key in _EOS_KEYS if key in fields]
+    if eos:
+        out["eos_token_id"] = list(dict.fromkeys(eos))
+    return out
 
 
 def convert(gguf_file: Path, target: Path) -> None:
@@ -71,9 +81,9 @@ def convert(gguf_file: Path, target: Path) -> None:
         complete_config(config, gguf_file)
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
-        sampling = sampling_config(gguf_file)
-        if sampling:
-            (tmp / "generation_config.json").write_text(json.dumps(sampling, indent=2))
+        gen = generation_config(gguf_file)
+        if gen:
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         tmp.rename(target)
     except OSError:
         if not (target / "config.json").is_file():

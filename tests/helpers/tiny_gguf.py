@@ -125,11 +125,14 @@ def gguf_tensors(hf_dir: Path, arch: str, cfg: dict[str, Any]) -> dict[str, np.n
     return out
 
 
-def write_tiny_gguf(hf_dir: str | Path, out_dir: str | Path, sampling: dict[str, float] | None = None) -> str:
+def write_tiny_gguf(
+    hf_dir: str | Path, out_dir: str | Path, sampling: dict[str, float] | None = None, eot_id: int | None = None
+) -> str:
     """`out_dir`/model.gguf from the tiny HF model in `hf_dir` (see the module's docstring); returns the dir.
 
     `sampling`: `general.sampling.*` keys to write (temp, top_k, top_p, min_p, penalty_repeat), as llama.cpp's
-    converter writes them from a generation_config.json.
+    converter writes them from a generation_config.json; `eot_id`: an end-of-turn token id (Llama 3's
+    <|eot_id|>), which llama.cpp stops at as it stops at EOS.
     """
     import gguf
 
@@ -142,6 +145,8 @@ def write_tiny_gguf(hf_dir: str | Path, out_dir: str | Path, sampling: dict[str,
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _metadata(writer, arch, cfg)
     _tokenizer(writer, hf_dir, cfg["vocab_size"])
+    if eot_id is not None:
+        writer.add_eot_token_id(eot_id)
     for key, value in (sampling or {}).items():
         getattr(writer, f"add_sampling_{key}")(value)
     for name, array in gguf_tensors(hf_dir, arch, cfg).items():

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from model_exec.generation_config import sampling_defaults
-from model_exec.source import ModelSource, resolve_model
+from model_exec.source import ModelSource, read_model_config, resolve_model
 from model_exec.weights import _hf_parameter_names, iter_gguf_tensors, iter_weights
 from tests.helpers.family_parity import assert_prefill_matches_hf
 from tests.helpers.tiny_gguf import GGUF_ARCH, write_tiny_gguf
@@ -114,11 +114,13 @@ def test_gguf_family_loads_with_hf_parity(model_type: str, tmp_path: Path) -> No
     assert_prefill_matches_hf(gguf_dir, world_sizes=(1, 2), reference_dir=hf_dir)
 
 
-def test_gguf_sampling_keys_are_its_generation_defaults(tmp_path: Path) -> None:
-    gguf_dir = write_tiny_gguf(make_tiny_llama(tmp_path), tmp_path / "gguf", sampling={"temp": 0.5, "top_k": 7})
+def test_gguf_metadata_gives_generation_defaults_and_eos_ids(tmp_path: Path) -> None:
+    sampling = {"temp": 0.5, "top_k": 7}
+    gguf_dir = write_tiny_gguf(make_tiny_llama(tmp_path), tmp_path / "gguf", sampling=sampling, eot_id=9)
     src = resolve_model(gguf_dir)
     assert sampling_defaults(src, "auto") == {"temperature": 0.5, "top_k": 7}
     assert sampling_defaults(src, "vllm") == {}
+    assert read_model_config(src, generation_config="vllm").eos_token_ids == (EOS_ID, 9)  # EOT ends generation
 
 
 def test_gguf_architecture_outside_the_registry_is_refused(tmp_path: Path) -> None:
