@@ -17,17 +17,27 @@ from raytp.cli.batch import add_batch_parser
 from raytp.cli.serve import add_serve_parser
 from scheduler.sampling_params import SamplingParams
 
+# this command's own defaults of the fields a model's generation_config.json may set (greedy, 64 tokens)
+_CLI_DEFAULTS: dict[str, object] = {
+    "max_tokens": 64,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g = parser.add_argument_group("sampling (unset: the model's generation_config.json, else the value shown)")
+    g.add_argument("--max-tokens", type=int, default=None, help="64")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=None, help="1.0")
+    g.add_argument("--top-k", type=int, default=None, help="0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help="0.0")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1.0 (off)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -35,16 +45,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None)
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def _sampling_params(args: argparse.Namespace, model_defaults: dict[str, object] | None = None) -> SamplingParams:
+    """The flags given; for those left unset, the model's default (`model_defaults`), else _CLI_DEFAULTS."""
+    unset = {**_CLI_DEFAULTS, **(model_defaults or {})}
+    chosen = {name: getattr(args, name) if getattr(args, name) is not None else unset[name] for name in _CLI_DEFAULTS}
     return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        **chosen,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
         n=args.n,
         seed=args.sampling_seed,
         stop=tuple(args.stop),
@@ -56,9 +64,10 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from raytp.llm import LLM
 
-    params = _sampling_params(args)  # validate flags before loading anything
+    _sampling_params(args)  # validate flags before loading anything
     config = engine_config_from_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
+    params = _sampling_params(args, llm.llm_engine.generation_defaults)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:

@@ -124,3 +124,16 @@ def test_vllm_setting_and_a_folder_replace_the_models_defaults(tiny_with_default
         assert _tokens(llm.generate(prompts, use_tqdm=False)) == plain  # greedy, no penalty: the folder's file
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_generate_command_flags_left_unset_take_the_defaults(
+    tiny_with_defaults: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from raytp.cli.main import main as cli_main
+
+    engine = ["--model", tiny_with_defaults, "--max-model-len", "128", "--kv-cache-memory-bytes", str(8 << 20)]
+    for flags, expected_len in (([], 9), (["--max-tokens", "3"], 3)):  # the model's max_new_tokens, or the flag
+        capsys.readouterr()
+        assert cli_main(["generate", "--prompt", "abc", "--ignore-eos", "--json", *engine, *flags]) == 0
+        (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        assert len(record["outputs"][0]["token_ids"]) == expected_len
