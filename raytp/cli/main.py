@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from raytp.cli.args import add_engine_args, engine_config_from_args
 from raytp.cli.batch import add_batch_parser
@@ -18,7 +19,7 @@ from raytp.cli.serve import add_serve_parser
 from scheduler.sampling_params import SamplingParams
 
 # this command's own defaults of the fields a model's generation_config.json may set (greedy, 64 tokens)
-_CLI_DEFAULTS: dict[str, object] = {
+_CLI_DEFAULTS: dict[str, Any] = {
     "max_tokens": 64,
     "temperature": 0.0,
     "top_p": 1.0,
@@ -45,7 +46,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None)
 
 
-def _sampling_params(args: argparse.Namespace, model_defaults: dict[str, object] | None = None) -> SamplingParams:
+def _sampling_params(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The flags given; for those left unset, the model's default (`model_defaults`), else _CLI_DEFAULTS."""
     unset = {**_CLI_DEFAULTS, **(model_defaults or {})}
     chosen = {name: getattr(args, name) if getattr(args, name) is not None else unset[name] for name in _CLI_DEFAULTS}
