@@ -3,8 +3,8 @@ llama.cpp converts them (tests/helpers/tiny_gguf.py), read back through the gguf
 
 - every architecture the harness writes round-trips: each GGUF tensor comes back under its HF checkpoint name
   with the checkpoint's values (q/k permutation, Gemma's norm offset and stacked experts undone);
-- the families in the registry with a `gguf_arch` load from GGUF with prefill logits equal to HF's own
-  model on the safetensors, at TP 1 and 2;
+- every registry row with a `gguf_arch` loads from GGUF with prefill logits equal to HF's own model on the
+  safetensors, at TP 1 and 2 (a new row's model_type needs a tiny config in `_config`);
 - a GGUF's `general.sampling.*` keys are its sampling defaults; an architecture outside the registry is refused.
 """
 
@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from model_exec.architectures import ARCHITECTURES
 from model_exec.generation_config import sampling_defaults
 from model_exec.source import ModelSource, read_model_config, resolve_model
 from model_exec.weights import _hf_parameter_names, iter_gguf_tensors, iter_weights
@@ -46,6 +47,7 @@ def _config(model_type: str) -> Any:
     import transformers as tf
 
     build: dict[str, Callable[[], Any]] = {
+        "mistral": lambda: tf.MistralConfig(**_COMMON),
         "qwen3": lambda: tf.Qwen3Config(**_COMMON, head_dim=16),
         # soft-caps other than the defaults: GGUF carries them in keys transformers' reader skips
         "gemma2": lambda: tf.Gemma2Config(
@@ -68,7 +70,7 @@ def _hf_dir(tmp: Path, model_type: str) -> str:
     return make_tiny_model(tmp / model_type, _config(model_type))
 
 
-@pytest.mark.parametrize("model_type", sorted(GGUF_ARCH.keys() - {"mistral"}))
+@pytest.mark.parametrize("model_type", sorted(GGUF_ARCH))
 def test_gguf_tensors_come_back_as_the_checkpoints(model_type: str, tmp_path: Path) -> None:
     hf_dir = _hf_dir(tmp_path, model_type)
     gguf_dir = Path(write_tiny_gguf(hf_dir, tmp_path / "gguf"))
@@ -107,7 +109,11 @@ def test_gguf_config_equals_the_hf_config(model_type: str, tmp_path: Path) -> No
     }
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+# every registry row that loads from GGUF, by the HF model_type its tiny model is built as
+GGUF_FAMILIES = sorted({a.model_type for a in ARCHITECTURES.values() if a.gguf_arch is not None})
+
+
+@pytest.mark.parametrize("model_type", GGUF_FAMILIES)
 def test_gguf_family_loads_with_hf_parity(model_type: str, tmp_path: Path) -> None:
     hf_dir = _hf_dir(tmp_path, model_type)
     gguf_dir = write_tiny_gguf(hf_dir, tmp_path / "gguf")
