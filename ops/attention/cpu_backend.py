@@ -33,6 +33,9 @@ from ops.attention.torch_backend import TorchAttentionBackend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+
     def __init__(
         self,
         num_heads: int,
@@ -46,11 +49,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(
             num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
         )
-        # The C++ kernels attend over the full causal context without soft-capping: a layer with either
-        # option runs the torch reference paths instead (correct, slower).
-        self._kernels = sliding_window is None and logits_soft_cap is None
         # The prefill kernel is AVX2 code only (the portable build registers it but refuses to run).
-        self._prefill_kernel = self._kernels and cpu_kernels.vectorized() and head_dim % 8 == 0
+        self._prefill_kernel = cpu_kernels.vectorized() and head_dim % 8 == 0
 
     def _decode(
         self,
@@ -60,12 +60,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        if not self._kernels:
-            super()._decode(query, key_cache, value_cache, meta, out)
-            return
         n = query.shape[0]
         cpu_kernels.paged_decode_attention(
-            query, key_cache, value_cache, meta.block_tables[:n], meta.seq_lens[:n], self.scale, out[:n]
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables[:n],
+            meta.seq_lens[:n],
+            self.scale,
+            out[:n],
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
 
     def _prefill(
@@ -93,4 +98,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             meta.num_decodes,
             self.scale,
             out,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
