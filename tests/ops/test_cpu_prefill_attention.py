@@ -151,7 +151,7 @@ _WINDOW_ROWS = [(1, 40), (1, 300), (5, 60), (33, 16), (70, 129), (150, 0), (16, 
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["gqa9x3", "mqa8"])
 @pytest.mark.parametrize(
     ("window", "cap"),
-    [(1, None), (13, None), (48, None), (4096, None), (None, 2.5), (13, 2.5), (100, 30.0)],
+    [(1, None), (13, None), (48, None), (2**40, None), (None, 2.5), (13, 2.5), (100, 30.0)],
     ids=["w1", "w13", "w48", "w-past-contexts", "cap2.5", "w13-cap2.5", "w100-cap30"],
 )
 def test_prefill_kernel_window_and_soft_cap(

@@ -107,8 +107,8 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
   std::fill(m, m + nq, neg_inf);
   std::fill(l, l + nq, 0.f);
 
-  // Query at position p sees keys p - w < k <= p; without a window w = seq_len reaches key 0.
-  const int64_t w = window > 0 ? window : seq_len;
+  // Query at position p sees keys p - w < k <= p; w = seq_len (no window, or a wider one) reaches key 0.
+  const int64_t w = window > 0 ? std::min(window, seq_len) : seq_len;
   const int64_t key_end = ctx + job.t1;  // the last query's position + 1
   for (int64_t k0 = key_range_begin(job, ctx, w); k0 < key_end; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, key_end - k0);
@@ -336,7 +336,7 @@ RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float
                        _mm512_set1_epi32(static_cast<int32_t>(nt - 1))));
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
-  const int64_t w = window > 0 ? window : seq_len;  // as in run_job
+  const int64_t w = window > 0 ? std::min(window, seq_len) : seq_len;  // as in run_job (and fits int32 lanes)
   const __m512 cap_v = _mm512_set1_ps(cap), two_over_cap = _mm512_set1_ps(cap > 0.f ? 2.f / cap : 0.f);
   const int64_t key_end = ctx + job.t1;
   for (int64_t k0 = key_range_begin(job, ctx, w); k0 < key_end; k0 += T) {
