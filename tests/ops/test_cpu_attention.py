@@ -88,11 +88,14 @@ def _poison_before_window(
     < seq_len - window): a kernel that reads one, masked or not, returns NaN."""
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     block_size = key_cache.shape[1]
-    for row, seq_len in enumerate(meta.seq_lens.tolist()):
-        for pos in range(max(0, seq_len - window)):
-            block = int(meta.block_tables[row, pos // block_size])
-            key_cache[block, pos % block_size] = float("nan")
-            value_cache[block, pos % block_size] = float("nan")
+    tables = meta.block_tables.tolist()
+    slots = [
+        tables[row][pos // block_size] * block_size + pos % block_size
+        for row, seq_len in enumerate(meta.seq_lens.tolist())
+        for pos in range(max(0, seq_len - window))
+    ]
+    for cache in (key_cache, value_cache):
+        cache.view(-1, *cache.shape[2:])[torch.tensor(slots, dtype=torch.long)] = float("nan")
     return key_cache, value_cache
 
 

@@ -108,11 +108,14 @@ def _poison_outside_windows(
     """NaN in every cached slot before the window of its row's first query (position = cached tokens):
     no query of the row may attend it, so a kernel that reads one, masked or not, returns NaN."""
     block_size = key_cache.shape[1]
-    for r, (_, cached) in enumerate(rows):
-        for pos in range(max(0, cached - window + 1)):
-            block = int(meta.block_tables[r, pos // block_size])
-            key_cache[block, pos % block_size] = float("nan")
-            value_cache[block, pos % block_size] = float("nan")
+    tables = meta.block_tables.tolist()
+    slots = [
+        tables[r][pos // block_size] * block_size + pos % block_size
+        for r, (_, cached) in enumerate(rows)
+        for pos in range(max(0, cached - window + 1))
+    ]
+    for cache in (key_cache, value_cache):
+        cache.view(-1, *cache.shape[2:])[torch.tensor(slots, dtype=torch.long)] = float("nan")
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
