@@ -81,7 +81,7 @@ def choose_auto(device: torch.device, dtype: torch.dtype | None, block_size: int
     """`auto`'s backend for this device and why: the first usable of the device's candidates, in order
     of preference (each one reads the paged cache in place), else the torch reference."""
     candidates = ("flash_attn", "triton") if device.type == "cuda" else ("cpu",)
-    passed_over = []
+    passed_over: list[str] = []
     for candidate in candidates:
         reason = _unavailable_reason(candidate, device, dtype, block_size, strict=False)
         if reason is None:
