@@ -3,7 +3,7 @@ split policy, and `auto`'s choice of backend and block size on a faked CUDA mach
 
 The interpreter is chosen when triton is first imported (`TRITON_INTERPRET=1`), and this pytest process
 may already have imported triton (torch does, for inductor), so the kernel cases run in one child process
-(`tests/ops/triton_interpreter_check.py`, ~10 s) whose JSON answer each parametrized test reads.
+(`tests/ops/triton_interpreter_check.py`, ~15 s of CPU) whose JSON answer each parametrized test reads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from model_exec.config import ModelConfig
 from ops.attention import FLASH_ATTN_BLOCK_MULTIPLE, get_attn_backend
 from ops.attention.triton_backend import decode_segments
 from tests.helpers.tiny_models import tiny_llama_config
-from tests.ops.triton_interpreter_check import CASES
+from tests.ops.triton_interpreter_check import CASES, MODEL_CASE
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDS_TRITON = pytest.mark.skipif(
@@ -52,7 +52,7 @@ def interpreter_results() -> dict[str, str | None]:
 
 
 @NEEDS_TRITON
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", [*CASES, MODEL_CASE])
 def test_kernels_match_the_torch_reference(interpreter_results: dict[str, str | None], case_id: str) -> None:
     assert case_id in interpreter_results, f"the interpreter run reported no result for {case_id}"
     failure = interpreter_results[case_id]

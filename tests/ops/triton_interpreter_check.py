@@ -12,10 +12,9 @@ Two things are adjusted in this process only, both outside the code under test:
   bits to numpy's matmul (it widens only 8-bit floats), so a bf16 dot is garbage there. `_bf16_dot`
   widens bf16 operands to fp32 first, which is exact (bf16 is the top half of fp32) and what the GPU's
   bf16 MMA with fp32 accumulation computes; everything else of the bf16 kernels runs unpatched.
-- The torch reference writes its cache with `write_to_paged_cache`, whose fp32 CPU path is the C++
-  kernel: loading that library takes a machine-wide lock other processes may hold for minutes, so the
-  reference uses the plain `index_copy_` path here (the same result; `tests/ops/test_cache_ops.py`
-  checks the two agree).
+- raytp's C++ CPU kernels are reported unavailable, so the torch reference's cache writes and the tiny
+  model's layers take their plain torch paths: loading that library takes a machine-wide lock that
+  other processes may hold for minutes, and what is under test here is the Triton code.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ops import cache_ops
-from ops.attention import triton_backend
+from ops.attention import cpu_kernels, triton_backend
 from ops.attention.base import AttentionMetadata
 from ops.attention.torch_backend import TorchAttentionBackend
 from ops.attention.triton_backend import TritonAttentionBackend
@@ -140,6 +138,35 @@ CASES: dict[str, Case] = {
     "bf16-bs16-gqa4-window9-chunked": Case(dtype=torch.bfloat16, window=9, **CHUNKED),
 }
 
+MODEL_CASE = "tiny-llama-chunked-prefill"
+
+
+def run_tiny_model(seed: int) -> None:
+    """The tiny GQA Llama (2 layers) with the triton backend in every layer gives the torch backend's logits
+    over a chunked prefill (4 tokens, then the rest on cached context), as the model's layers call it."""
+    import tempfile
+
+    from model_exec.models import build_model, pack_weights
+    from model_exec.parallel import TPGroup
+    from model_exec.source import read_model_config, resolve_model
+    from model_exec.weights import iter_weights
+    from tests.helpers.tiny_models import make_tiny_llama, our_prefill_logits
+
+    prompts = [[5, 17, 33, 2, 101, 250, 7, 9, 11], [42, 43, 44, 45, 46], [3 + (7 * i) % 250 for i in range(23)]]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = resolve_model(make_tiny_llama(tmp, seed=seed))
+        config = read_model_config(src)
+        logits = []
+        for backend in (TorchAttentionBackend, TritonAttentionBackend):
+            net = build_model(config, TPGroup.single(), backend, "cpu", torch.float32)
+            net.load_weights(iter_weights(src))
+            pack_weights(net)
+            logits.append(our_prefill_logits(net, config, prompts, block_size=16, first_chunk=4))
+    want, got = logits
+    assert want is not None and got is not None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
 
 def _bf16_dot() -> None:
     import triton.language as tl
@@ -161,7 +188,7 @@ def _bf16_dot() -> None:
 def main(selected: list[str]) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (set before triton loads)"
     _bf16_dot()
-    cache_ops._cpu_kernel_applies = lambda *_: False  # type: ignore[assignment]
+    cpu_kernels.load_error = lambda: "not used by the interpreter check"  # type: ignore[assignment]
     results: dict[str, str | None] = {}
     policy: Callable[..., int] = triton_backend.decode_segments
     for seed, (case_id, case) in enumerate(CASES.items()):
@@ -175,6 +202,12 @@ def main(selected: list[str]) -> int:
         except Exception:
             results[case_id] = traceback.format_exc(limit=-3)
     triton_backend.decode_segments = policy
+    if not selected or MODEL_CASE in selected:
+        try:
+            run_tiny_model(seed=len(CASES))
+            results[MODEL_CASE] = None
+        except Exception:
+            results[MODEL_CASE] = traceback.format_exc(limit=-3)
     print(json.dumps(results))
     return 0
 
