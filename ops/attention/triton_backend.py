@@ -121,17 +121,12 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         decode_only = meta.max_query_len == 1  # then num_tokens == num_seqs: one query block per row
+        segments = 1
         if decode_only:
-            block_m = _pow2_at_least(self._group, 16)
             segments = decode_segments(num_seqs, self.num_kv_heads, meta.max_seq_len, _num_sms(query.device))
-            num_q_blocks = num_seqs
-        else:
-            block_m = _pow2_at_least(self._group, 64)
-            segments = 1
-        block_q = block_m // self._group
-        if not decode_only:
-            num_q_blocks = num_tokens // block_q + num_seqs  # see triton_kernels: rows' block numbering
-        fp32 = key_cache.dtype == torch.float32
+        consts = self.attention_constexprs(key_cache.dtype, key_cache.shape[1], decode_only, segments)
+        # Rows' query blocks are numbered qsl[r] // BLOCK_Q + r (triton_kernels): this many at most.
+        num_q_blocks = num_seqs if decode_only else num_tokens // int(consts["BLOCK_Q"]) + num_seqs
         if segments > 1:
             part_acc = torch.empty(num_tokens, self.num_heads, segments, self.head_dim, device=query.device)
             part_max = torch.empty(num_tokens, self.num_heads, segments, device=query.device)
@@ -145,30 +140,53 @@ class TritonAttentionBackend(AttentionBackend):
             block_tables, meta.seq_lens, meta.query_start_loc,
             num_seqs, self.scale, self.logits_soft_cap or 0.0,
             *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
-            NUM_HEADS=self.num_heads,
-            GROUP=self._group,
-            HEAD_DIM=self.head_dim,
-            HEAD_DIM_P=self._head_dim_p,
-            BLOCK_SIZE=key_cache.shape[1],
-            BLOCK_Q=block_q,
-            BLOCK_M=block_m,
-            TILE=32 if fp32 else 64,
-            WINDOW=self.sliding_window or 0,
-            SOFT_CAP=self.logits_soft_cap is not None,
-            DECODE_ONLY=decode_only,
-            NUM_SEGMENTS=segments,
-            PRECISION="ieee" if fp32 else "tf32",  # fp32 stays fp32 (no TF32); halves ignore it
+            **consts,
         )  # fmt: skip
         if segments > 1:
             self._kernels.reduce_segments_kernel[(num_tokens, self.num_heads)](
-                out, part_acc, part_max, part_sum,
-                *out.stride(),
-                NUM_HEADS=self.num_heads,
-                HEAD_DIM=self.head_dim,
-                HEAD_DIM_P=self._head_dim_p,
-                NUM_SEGMENTS=segments,
-            )  # fmt: skip
+                out, part_acc, part_max, part_sum, *out.stride(), **self.reduce_constexprs(segments)
+            )
         return out
+
+    def attention_constexprs(
+        self, cache_dtype: torch.dtype, block_size: int, decode_only: bool, segments: int
+    ) -> dict[str, int | bool | str]:
+        """The compile-time parameters of `paged_attention_kernel` for one launch (one compiled variant each)."""
+        fp32 = cache_dtype == torch.float32
+        # Decode: one token per program, the group's heads padded to tl.dot's 16 rows. Prefill: 64 rows.
+        block_m = _pow2_at_least(self._group, 16 if decode_only else 64)
+        return {
+            "NUM_HEADS": self.num_heads,
+            "GROUP": self._group,
+            "HEAD_DIM": self.head_dim,
+            "HEAD_DIM_P": self._head_dim_p,
+            "BLOCK_SIZE": block_size,
+            "BLOCK_Q": block_m // self._group,
+            "BLOCK_M": block_m,
+            "TILE": 32 if fp32 else 64,  # fp32 tiles take twice the registers and shared memory
+            "WINDOW": self.sliding_window or 0,
+            "SOFT_CAP": self.logits_soft_cap is not None,
+            "DECODE_ONLY": decode_only,
+            "NUM_SEGMENTS": segments,
+            "PRECISION": "ieee" if fp32 else "tf32",  # fp32 stays fp32 (no TF32); halves ignore it
+        }
+
+    def reduce_constexprs(self, segments: int) -> dict[str, int]:
+        return {
+            "NUM_HEADS": self.num_heads,
+            "HEAD_DIM": self.head_dim,
+            "HEAD_DIM_P": self._head_dim_p,
+            "NUM_SEGMENTS": segments,
+        }
+
+    def write_kv_constexprs(self, block_size: int) -> dict[str, int]:
+        return {
+            "NUM_KV_HEADS": self.num_kv_heads,
+            "HEAD_DIM": self.head_dim,
+            "NUM_KV_HEADS_P": _pow2_at_least(self.num_kv_heads, 1),
+            "HEAD_DIM_P": self._head_dim_p,
+            "BLOCK_SIZE": block_size,
+        }
 
     def _write_kv(
         self,
@@ -182,9 +200,5 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels.write_kv_kernel[(key.shape[0],)](
             key, value, key_cache, value_cache, slot_mapping,
             *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-            NUM_KV_HEADS=self.num_kv_heads,
-            HEAD_DIM=self.head_dim,
-            NUM_KV_HEADS_P=_pow2_at_least(self.num_kv_heads, 1),
-            HEAD_DIM_P=self._head_dim_p,
-            BLOCK_SIZE=key_cache.shape[1],
+            **self.write_kv_constexprs(key_cache.shape[1]),
         )  # fmt: skip

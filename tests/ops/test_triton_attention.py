@@ -9,6 +9,7 @@ may already have imported triton (torch does, for inductor), so the kernel cases
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +59,72 @@ def test_kernels_match_the_torch_reference(interpreter_results: dict[str, str | 
     assert case_id in interpreter_results, f"the interpreter run reported no result for {case_id}"
     failure = interpreter_results[case_id]
     assert failure is None, failure
+
+
+# ---------------------------------------------------------------- kernels, compiled for NVIDIA GPUs
+
+
+def _ptxas_missing() -> bool:
+    spec = importlib.util.find_spec("triton")
+    return spec is None or spec.origin is None or not (Path(spec.origin).parent / "backends/nvidia/bin/ptxas").exists()
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _compile(kernel: Any, capability: int, pointers: dict[str, str], constexprs: dict[str, Any]) -> None:
+    """Compile `kernel` ahead of time for sm_<capability> (no GPU needed: Triton's own LLVM and ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointers.get(name, "fp32" if name in ("scale", "soft_cap") else "i32")
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32))
+
+
+@pytest.mark.skipif(_ptxas_missing(), reason="triton with its NVIDIA backend (ptxas) is not installed")
+@pytest.mark.parametrize(
+    ("capability", "dtype", "heads", "head_dim", "block_size", "options", "decode_only", "segments"),
+    [
+        (90, torch.bfloat16, (32, 8), 128, 16, {}, False, 1),  # Llama-3-8B prefill / mixed step
+        (90, torch.bfloat16, (32, 8), 128, 16, {}, True, 1),  # ... its decode step
+        (80, torch.float16, (16, 8), 256, 256, {"sliding_window": 4096, "logits_soft_cap": 50.0}, True, 8),  # Gemma 2
+        (90, torch.float32, (8, 1), 64, 128, {"sliding_window": 64}, False, 1),  # fp32 (IEEE dots), MQA
+    ],
+)
+def test_kernels_compile_for_cuda(
+    capability: int,
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    options: dict[str, Any],
+    decode_only: bool,
+    segments: int,
+) -> None:
+    """The interpreter checks what the kernels compute, not that they compile: Triton's compiler is stricter
+    (constexpr reassignment, loop-carried types, tl.dot shapes). Each launch variant of the backend goes
+    through it, down to ptxas, with the backend's own compile-time parameters."""
+    from ops.attention import triton_kernels
+    from ops.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(*heads, head_dim, head_dim**-0.5, **options)
+    dt = _DTYPE_NAMES[dtype]
+    tensors = {"q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "key_ptr", "value_ptr"}
+    pointers = {name: f"*{dt}" for name in tensors}
+    pointers |= {name: "*fp32" for name in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
+    pointers |= {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+    pointers["slot_mapping_ptr"] = "*i64"
+    consts = backend.attention_constexprs(dtype, block_size, decode_only, segments)
+    _compile(triton_kernels.paged_attention_kernel, capability, pointers, consts)
+    _compile(triton_kernels.write_kv_kernel, capability, pointers, backend.write_kv_constexprs(block_size))
+    if segments > 1:
+        _compile(triton_kernels.reduce_segments_kernel, capability, pointers, backend.reduce_constexprs(segments))
 
 
 # ---------------------------------------------------------------- decode split policy
@@ -163,8 +231,11 @@ def test_triton_needs_a_float_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_backend_without_triton_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.attention and the backend module import without triton; building the backend names the package."""
+    import ops.attention
+
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.delitem(sys.modules, "ops.attention.triton_kernels", raising=False)
+    monkeypatch.delattr(ops.attention, "triton_kernels", raising=False)  # set by an earlier import
     from ops.attention.triton_backend import TritonAttentionBackend
 
     with pytest.raises(ValueError, match="needs the triton package"):
