@@ -8,7 +8,8 @@ gathered, no per-step temporaries beyond the output (and, for split decode steps
 partials). No host read of device tensors: the launch needs only the tensor shapes and the host-side
 `max_query_len` / `max_seq_len` of the metadata, so a step costs no synchronisation.
 
-Launch shapes (not tuned on hardware yet; correctness is what CI checks, through Triton's interpreter):
+Launch shapes (not yet tuned on a GPU; CI checks what the kernels compute through Triton's interpreter,
+and that every launch variant compiles for sm_80/sm_90, in tests/ops/test_triton_attention.py):
 - pure-decode step: one program per (row, KV head), its query block the row's token times the group's
   query heads (BLOCK_M = 16 covers groups up to 16); when rows x KV heads are too few to fill the GPU,
   each row's keys split into 2..16 segments merged by a second small kernel (`decode_segments`).
