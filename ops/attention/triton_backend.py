@@ -43,8 +43,9 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return p
 
 
-def decode_segments(num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many key segments each decode row's attention splits into (a power of two, 1..16).
+def decode_segments(num_rows: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
+    """How many key segments each decode row's attention splits into (a power of two, 1..16);
+    `max_keys` is the most keys a row attends (its window caps it).
 
     Double while the doubled program count (rows x KV heads x segments) stays within two per SM and
     segments stay at least `_MIN_KEYS_PER_SEGMENT` keys long: one long-context stream (8 KV heads on
@@ -54,7 +55,7 @@ def decode_segments(num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms:
     while (
         segments < _MAX_SEGMENTS
         and programs * segments * 2 <= 2 * num_sms
-        and max_seq_len >= 2 * segments * _MIN_KEYS_PER_SEGMENT
+        and max_keys >= 2 * segments * _MIN_KEYS_PER_SEGMENT
     ):
         segments *= 2
     return segments
@@ -124,7 +125,8 @@ class TritonAttentionBackend(AttentionBackend):
         decode_only = meta.max_query_len == 1  # then num_tokens == num_seqs: one query block per row
         segments = 1
         if decode_only:
-            segments = decode_segments(num_seqs, self.num_kv_heads, meta.max_seq_len, _num_sms(query.device))
+            keys = meta.max_seq_len if self.sliding_window is None else min(meta.max_seq_len, self.sliding_window)
+            segments = decode_segments(num_seqs, self.num_kv_heads, keys, _num_sms(query.device))
         consts = self.attention_constexprs(key_cache.dtype, key_cache.shape[1], decode_only, segments)
         # Rows' query blocks are numbered qsl[r] // BLOCK_Q + r (triton_kernels): this many at most.
         num_q_blocks = num_seqs if decode_only else num_tokens // int(consts["BLOCK_Q"]) + num_seqs

@@ -131,7 +131,7 @@ def test_kernels_compile_for_cuda(
 
 
 @pytest.mark.parametrize(
-    ("rows", "kv_heads", "max_seq_len", "expected"),
+    ("rows", "kv_heads", "max_keys", "expected"),
     [
         (1, 8, 4096, 16),  # one long stream on 132 SMs: split as far as allowed
         (1, 8, 700, 4),  # 4 segments of 175 keys; 8 would be under 128 keys each
@@ -141,8 +141,8 @@ def test_kernels_compile_for_cuda(
         (256, 8, 4096, 1),  # a full batch already fills the GPU
     ],
 )
-def test_decode_segments(rows: int, kv_heads: int, max_seq_len: int, expected: int) -> None:
-    assert decode_segments(rows, kv_heads, max_seq_len, num_sms=132) == expected
+def test_decode_segments(rows: int, kv_heads: int, max_keys: int, expected: int) -> None:
+    assert decode_segments(rows, kv_heads, max_keys, num_sms=132) == expected
 
 
 # ---------------------------------------------------------------- auto on a faked CUDA machine
