@@ -38,6 +38,9 @@ NEEDS_FLASH_ATTN = pytest.mark.skipif(
     importlib.util.find_spec("flash_attn") is None,
     reason="flash-attn is not installed (pip install flash-attn>=2.6)",
 )
+NEEDS_TRITON = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (it ships with CUDA torch)"
+)
 NEEDS_XFORMERS = pytest.mark.skipif(
     importlib.util.find_spec("xformers") is None,
     reason="xformers is not installed (pip install xformers>=0.0.28)",
@@ -60,6 +63,10 @@ CASES = [
     pytest.param(Case("cpu", "cpu", torch.float32, 32, 1e-5), id="cpu-bs32", marks=NEEDS_CPU_KERNEL),
     pytest.param(Case("cpu", "cpu", torch.float32, 4, 1e-5), id="cpu-bs4", marks=NEEDS_CPU_KERNEL),
     pytest.param(Case("torch", "cuda", torch.float32, 16, 1e-4), id="torch-cuda-bs16", marks=NEEDS_CUDA),
+    pytest.param(Case("triton", "cuda", torch.float16, 16, 2e-3), id="triton-bs16", marks=[NEEDS_CUDA, NEEDS_TRITON]),
+    pytest.param(
+        Case("triton", "cuda", torch.float32, 128, 1e-4), id="triton-fp32-bs128", marks=[NEEDS_CUDA, NEEDS_TRITON]
+    ),
     pytest.param(
         Case("flash_attn", "cuda", torch.float16, 256, 2e-3),
         id="flash_attn-bs256",
@@ -539,7 +546,7 @@ def test_xformers_windowed_and_full_layers_share_a_step(monkeypatch: pytest.Monk
 
 
 def test_registry_names() -> None:
-    assert ATTENTION_BACKENDS == ("auto", "torch", "cpu", "flash_attn", "xformers")
+    assert ATTENTION_BACKENDS == ("auto", "torch", "cpu", "triton", "flash_attn", "xformers")
 
 
 @NEEDS_CPU_KERNEL
@@ -571,7 +578,7 @@ def test_unknown_backend_name() -> None:
         get_attn_backend("x", "cpu")
 
 
-@pytest.mark.parametrize("name", ["flash_attn", "xformers"])
+@pytest.mark.parametrize("name", ["triton", "flash_attn", "xformers"])
 def test_cuda_backend_on_cpu_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"attention_backend='{name}'.*CUDA"):
         get_attn_backend(name, torch.device("cpu"), torch.float16, 256)
