@@ -8,6 +8,9 @@ batched SDPA call with a causal+length mask), to show why it was rejected.
     python -m benchmarks.attention_bench                      # from the repo root: torch on CPU, fp32
     python -m benchmarks.attention_bench --backend cpu        # the C++ decode and prefill kernels on CPU
     python -m benchmarks.attention_bench --device cuda --dtype float16 --backend auto --block-size 256
+    python -m benchmarks.attention_bench --backend cpu --sliding-window 512   # a windowed layer (Mistral, Gemma 2)
+
+The two long-context cases show what a sliding window saves: a windowed layer reads only the window.
 """
 
 from __future__ import annotations
@@ -92,7 +95,13 @@ def padded_prefill(
     return out.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM).index_select(0, dst)
 
 
-def time_ms(fn: Callable[[], object], iters: int, device: torch.device, rounds: int = 5) -> float:
+def time_ms(
+    fn: Callable[[], object],
+    iters: int,
+    device: torch.device,
+    rounds: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Best of `rounds` rounds of `iters` calls: robust to other processes sharing the cores."""
     for _ in range(3):
         fn()
@@ -100,12 +109,12 @@ def time_ms(fn: Callable[[], object], iters: int, device: torch.device, rounds: 
     for _ in range(rounds):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         for _ in range(iters):
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, (time.perf_counter() - start) / iters * 1e3)
+        best = min(best, (clock() - start) / iters * 1e3)
     return best
 
 
@@ -120,6 +129,8 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "prefill 4 rows 50/200/400/512": [(0, 50), (0, 200), (0, 400), (0, 512)],
     "prefill 8 rows x 64": [(0, 64)] * 8,
     "prefill chunk 512 + 3 short chunks": [(0, 512), (0, 16), (100, 16), (300, 16)],
+    "decode  16 rows x ctx 4096": [(4095, 1)] * 16,
+    "prefill chunk 256 on ctx 3840": [(3840, 256)],
 }
 
 
@@ -136,25 +147,49 @@ def main() -> None:
     parser.add_argument(
         "--compare-prefill", action="store_true", help="also time the padded-prefill alternative"
     )
+    parser.add_argument("--sliding-window", type=int, default=None, help="the layer's sliding window (tokens)")
+    parser.add_argument("--soft-cap", type=float, default=None, help="the layer's attention logit soft-cap")
+    parser.add_argument("--only", default=None, help="run only the cases whose name contains this")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this thread's CPU time, not wall time (needs --threads 1): comparable across runs on "
+        "cores that other processes share, since time spent descheduled does not count",
+    )
     args = parser.parse_args()
+    if args.compare_prefill and (args.sliding_window is not None or args.soft_cap is not None):
+        parser.error("--compare-prefill times full causal attention only (no --sliding-window / --soft-cap)")
+    if args.cpu_time and (args.threads != 1 or args.device != "cpu"):
+        parser.error("--cpu-time measures one CPU thread: use it with --threads 1 on the CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     backend_cls = get_attn_backend(args.backend, device, dtype, args.block_size)
-    backend = backend_cls(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    backend = backend_cls(
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HEAD_DIM**-0.5,
+        sliding_window=args.sliding_window,
+        logits_soft_cap=args.soft_cap,
+    )
     print(
         f"backend={backend.name} device={device} dtype={args.dtype} block_size={args.block_size} "
-        f"threads={torch.get_num_threads()} heads={NUM_HEADS}/{NUM_KV_HEADS} head_dim={HEAD_DIM}"
+        f"threads={torch.get_num_threads()} heads={NUM_HEADS}/{NUM_KV_HEADS} head_dim={HEAD_DIM} "
+        f"sliding_window={args.sliding_window} soft_cap={args.soft_cap}"
     )
     for name, rows in CASES.items():
+        if args.only is not None and args.only not in name:
+            continue
         q, k, v, kc, vc, meta = build_step(rows, args.block_size, dtype, device)
-        ms = time_ms(lambda: backend.forward(q, k, v, kc, vc, meta), args.iters, device)  # noqa: B023
+        ms = time_ms(lambda: backend.forward(q, k, v, kc, vc, meta), args.iters, device, clock=clock)  # noqa: B023
         line = f"  {name:<52} {ms:8.2f} ms/call"
         if args.compare_prefill and meta.num_decodes == 0:
             ref = backend.forward(q, k, v, kc, vc, meta)
             torch.testing.assert_close(padded_prefill(backend, q, kc, vc, meta), ref, atol=1e-4, rtol=1e-3)
-            padded = time_ms(lambda: padded_prefill(backend, q, kc, vc, meta), args.iters, device)  # noqa: B023
+            padded = time_ms(lambda: padded_prefill(backend, q, kc, vc, meta), args.iters, device, clock=clock)  # noqa: B023
             line += f"   (padded batched prefill: {padded:.2f} ms)"
         print(line)
 

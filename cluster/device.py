@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from cluster.config import EngineConfig
+from ops.attention import FLASH_ATTN_BLOCK_MULTIPLE, flash_attn_error
 
 # KV block size (tokens) when `block_size` is not given. CPU: vLLM's CPU backend default; a decode
 # row then reads each block's K (and V) as one 96 KB run (SmolLM2-135M) instead of 12 KB ones, and the
@@ -45,5 +46,18 @@ def resolve_device(config: EngineConfig) -> Literal["cpu", "cuda"]:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
-def default_block_size(device: Literal["cpu", "cuda"]) -> int:
-    return CUDA_BLOCK_SIZE if device == "cuda" else CPU_BLOCK_SIZE
+def default_block_size(device: Literal["cpu", "cuda"], attention_backend: str = "auto", dtype: str = "auto") -> int:
+    """The KV block size when none is given, chosen with the attention backend it must suit.
+
+    CUDA: flash-attn's smallest block size where `flash_attn` is asked for, or where `auto` will pick
+    it (the package imports and the dtype is half precision, as `dtype="auto"` always is on CUDA); else 16, with
+    which `auto` picks triton (any block size). Under Ray this runs on the driver: if its flash-attn
+    differs from the workers', the workers' `auto` still finds a backend that pages that size in place
+    (flash_attn or triton at 256, triton at 16)."""
+    if device == "cpu":
+        return CPU_BLOCK_SIZE
+    if attention_backend == "flash_attn":
+        return FLASH_ATTN_BLOCK_MULTIPLE
+    if attention_backend == "auto" and dtype not in ("float32", "float") and flash_attn_error() is None:
+        return FLASH_ATTN_BLOCK_MULTIPLE
+    return CUDA_BLOCK_SIZE

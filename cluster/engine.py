@@ -66,7 +66,9 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
     if budget is None:
         budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
     device = resolve_device(config)
-    block_size = config.block_size if config.block_size is not None else default_block_size(device)
+    block_size = config.block_size
+    if block_size is None:
+        block_size = default_block_size(device, config.attention_backend, config.dtype)
     given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
     resolved = {
         "device": device,

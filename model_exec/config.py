@@ -198,7 +198,7 @@ class ModelConfig:
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_dtype_name(hf_config),
             layer_windows=_layer_windows(hf_config, num_layers),
-            hidden_act=getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu"),
+            hidden_act=str(getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu")),
             hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else hf_config.to_dict(),
         )
 

@@ -2,9 +2,14 @@
 `../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`), compiled into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
-extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), keyed by a hash of
-the sources and flags, so concurrent processes (Ray workers) build once and later processes only
-load the library (~0.1 s). `.ci/setup.sh` builds it at install time; the first engine start on a
+extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so concurrent
+processes (Ray workers) build once and later processes only load the library (~0.1 s). The
+library's name (and folder) carries a hash of the sources, the headers they include and the ISA
+flags (`build_name`), so what is loaded is always built from exactly the running sources (an op
+whose signature changed, as the attention kernels' did for sliding windows, is never called with
+another layout), without relying on ninja's timestamps, and checkouts that share the cache (git
+worktrees, an older install) no longer rebuild each other's library at every switch; each version
+keeps a folder of ~1 MB. `.ci/setup.sh` builds it at install time; the first engine start on a
 fresh machine otherwise pays ~10 s.
 
 Locking: torch guards every `load()` (even one that only finds the library up to date) with a
@@ -45,8 +50,7 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
     Path(__file__).parents[1] / "csrc" / "kv_write.cpp",  # ops/cache_ops.py's write_to_paged_cache
 ]
-# Headers the sources include: torch's rebuild check hashes the sources and flags only, so their
-# contents' hash goes into the flags (`_header_flag`); an edited header then rebuilds too.
+# Headers the sources include: part of `build_name`'s hash, so an edited header builds anew too.
 _HEADERS = [Path(__file__).parents[1] / "csrc" / "vec_math.h"]
 # Every op the sources register: the library counts as loaded only when all of them are there.
 _OPS = (
@@ -74,9 +78,14 @@ def _isa_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
-def _header_flag() -> str:
-    digest = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
-    return f"-DRAYTP_HEADERS_SHA={digest}"
+def build_name() -> str:
+    """The library's name: its ISA and a hash of everything it is built from (sources, headers, flags)."""
+    isa, flags = _isa_flags()
+    digest = hashlib.sha256()
+    for path in (*_SOURCES, *_HEADERS):
+        digest.update(path.read_bytes())
+    digest.update(" ".join(flags).encode())
+    return f"raytp_cpu_kernels_{isa}_{digest.hexdigest()[:12]}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -108,8 +117,8 @@ def load_error() -> str | None:
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
-    isa, flags = _isa_flags()
-    name = f"raytp_cpu_kernels_{isa}"
+    _, flags = _isa_flags()
+    name = build_name()
     try:
         folder = build_directory(name)
         with open(folder / "raytp.flock", "w") as held:
@@ -120,7 +129,7 @@ def load_error() -> str | None:
                 sources=[str(s) for s in _SOURCES],
                 # -fopenmp: at::parallel_for is OpenMP code inlined from torch's headers (without the flag
                 # it runs serially); the library links the libgomp.so.1 that torch has already loaded.
-                extra_cflags=["-O3", "-fopenmp", *flags, _header_flag()],
+                extra_cflags=["-O3", "-fopenmp", *flags],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 is_python_module=False,
@@ -133,6 +142,15 @@ def load_error() -> str | None:
     return None
 
 
+def _window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+    """The kernels' encoding of the per-layer options (ops/attention/base.py): 0 means none."""
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a positive integer or None; got {sliding_window!r}.")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None; got {logits_soft_cap!r}.")
+    return sliding_window or 0, float(logits_soft_cap or 0.0)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -141,10 +159,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """out[r] = softmax(scale * q_r K_r^T) V_r for one query token per row, K/V read in place from the
-    paged cache through block_tables[r] up to seq_lens[r]. fp32 CPU tensors; call `load_error()` first."""
-    torch.ops.raytp_cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    paged cache through block_tables[r] up to seq_lens[r] (only the last `sliding_window` of them when
+    given; scores soft-capped when `logits_soft_cap` is given). fp32 CPU tensors; call `load_error()` first."""
+    window, cap = _window_and_cap(sliding_window, logits_soft_cap)
+    torch.ops.raytp_cpu.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, window, cap, out
+    )
 
 
 def paged_prefill_attention(
@@ -157,11 +182,16 @@ def paged_prefill_attention(
     first_row: int,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Causal attention of rows [first_row, rows): row r's queries are query[query_start_loc[r]:
     query_start_loc[r + 1]], the last of its seq_lens[r] positions; keys and values (this step's
-    included) are read in place from the paged cache. fp32 CPU tensors, head_dim a multiple of 8;
-    needs the AVX2 build (`vectorized()`) and `load_error()` first."""
+    included) are read in place from the paged cache; `sliding_window` / `logits_soft_cap` as in
+    ops/attention/base.py. fp32 CPU tensors, head_dim a multiple of 8; needs the AVX2 build
+    (`vectorized()`) and `load_error()` first."""
+    window, cap = _window_and_cap(sliding_window, logits_soft_cap)
     torch.ops.raytp_cpu.paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, first_row, scale, out
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, first_row, scale, window, cap, out
     )

@@ -7,6 +7,11 @@ flash-attn reads the paged cache `[num_blocks, block_size, kv_heads, head_dim]` 
   `cu_seqlens_k` the running sum of `seq_lens` and bottom-right causal alignment, which is exactly
   "query i of a row sits at seq_len - query_len + i".
 
+Sliding window w and logit soft-cap c go to both calls as flash-attn's `window_size=(w - 1, 0)`
+(query at p sees keys p - (w - 1) ..= p, bottom-right aligned like the causal mask) and `softcap=c`;
+the kernels then skip the key blocks wholly outside the window. Both keywords exist from
+flash-attn 2.6 on (softcap came last), so a layer that uses either checks the installed version.
+
 Constraints (checked, with a clear error): fp16/bf16 only, and upstream flash-attn 2.x accepts a
 paged KV cache only when block_size is a multiple of 256 ("Paged KV cache block size must be
 divisible by 256"). With the default block_size 16, use `xformers` or `torch` (`auto` does).
@@ -15,6 +20,7 @@ flash-attn is imported in `__init__`, never at module import, so CPU machines ca
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -37,8 +43,17 @@ def check_flash_attn_block_size(block_size: int) -> None:
         )
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    """(2, 6) from "2.6.3" or "2.6.0.post1"; (0, 0) when it does not parse."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(
         self,
@@ -54,6 +69,7 @@ class FlashAttnBackend(AttentionBackend):
             num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
         )
         try:
+            import flash_attn
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as exc:
             raise ValueError(
@@ -64,6 +80,18 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {head_dim}.")
         self._varlen: Any = flash_attn_varlen_func
         self._with_kvcache: Any = flash_attn_with_kvcache
+        # Passed only when set, so a layer without either option runs on any flash-attn 2.x.
+        self._options: dict[str, Any] = {}
+        if sliding_window is not None:
+            self._options["window_size"] = (sliding_window - 1, 0)
+        if logits_soft_cap is not None:
+            self._options["softcap"] = float(logits_soft_cap)
+        version = str(getattr(flash_attn, "__version__", "0"))
+        if self._options and _major_minor(version) < (2, 6):
+            raise ValueError(
+                f"attention_backend='flash_attn' needs flash-attn>=2.6 for sliding_window / logits_soft_cap; "
+                f"found {version}."
+            )
 
     def forward(
         self,
@@ -90,6 +118,7 @@ class FlashAttnBackend(AttentionBackend):
                 block_table=meta.block_tables,
                 softmax_scale=self.scale,
                 causal=True,
+                **self._options,
             )
             return out.squeeze(1)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32), (1, 0))
@@ -104,4 +133,5 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=self.scale,
             causal=True,
             block_table=meta.block_tables,
+            **self._options,
         )

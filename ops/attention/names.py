@@ -5,6 +5,7 @@
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "torch": ("torch_backend", "TorchAttentionBackend", ""),
     "cpu": ("cpu_backend", "CpuAttentionBackend", ""),
+    "triton": ("triton_backend", "TritonAttentionBackend", "triton"),
     "flash_attn": ("flash_attn_backend", "FlashAttnBackend", "flash-attn>=2.6"),
     "xformers": ("xformers_backend", "XFormersBackend", "xformers>=0.0.28"),
 }

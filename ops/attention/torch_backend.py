@@ -169,7 +169,7 @@ class TorchAttentionBackend(AttentionBackend):
             kv_shape = (n, padded_len, self.num_kv_heads, self.head_dim)
             k = _gather_blocks(key_cache, block_ids, 0).view(kv_shape)
             v = _gather_blocks(value_cache, block_ids, 1).view(kv_shape)
-            row_lens = seq_lens[start:stop, None]
+            row_lens = seq_lens[start:stop, None].long()  # int32 - a window past 2**31 would wrap
             mask = key_pos < row_lens
             if self.sliding_window is not None:  # the query sits at seq_len - 1
                 mask &= key_pos >= row_lens - self.sliding_window

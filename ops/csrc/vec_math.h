@@ -55,6 +55,22 @@ RAYTP_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
+// Attention logit soft-capping (Gemma 2): cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^2y + 1).
+// exp8's clamping keeps it finite and exactly +-cap far out; near 0 the absolute error is about
+// cap * 1e-7 (the subtraction), which is what a softmax input's error means.
+inline __m256 soft_cap8(__m256 x, __m256 cap, __m256 two_over_cap) {
+  const __m256 e = exp8(_mm256_mul_ps(x, two_over_cap));
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_mul_ps(cap, _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one))));
+}
+
+// soft_cap8 on 16 lanes.
+RAYTP_AVX512 inline __m512 soft_cap16(__m512 x, __m512 cap, __m512 two_over_cap) {
+  const __m512 e = exp16(_mm512_mul_ps(x, two_over_cap));
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_mul_ps(cap, _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one))));
+}
+
 // silu(g) * u = g / (1 + e^-g) * u, as torch computes silu; ops/csrc/fused_layers.cpp's SiLU-and-mul
 // and panel_gemm.cpp's gated GEMM both use these, so the two give the same bits.
 inline __m256 silu_mul8(__m256 g, __m256 u) {

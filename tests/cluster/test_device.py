@@ -1,4 +1,5 @@
-"""The device-dependent defaults: `auto` resolved once, KV block size 128 on CPU and 16 on CUDA."""
+"""The device-dependent defaults: `auto` resolved once, KV block size 128 on CPU and 16 on CUDA
+(256 where flash-attn serves `auto`: tests/ops/test_triton_attention.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_auto_in_process_asks_torch(monkeypatch: pytest.MonkeyPatch, available: 
 
 
 def test_default_block_size_per_device() -> None:
-    assert (default_block_size("cpu"), default_block_size("cuda")) == (CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE) == (128, 16)
+    sizes = (default_block_size("cpu"), default_block_size("cuda", "triton"))
+    assert sizes == (CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE) == (128, 16)
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, CPU_BLOCK_SIZE), (32, 32)])

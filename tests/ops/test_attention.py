@@ -3,6 +3,7 @@
 The reference materialises each sequence's whole K/V, repeats K/V heads for GQA, applies a causal
 mask where query i of a row sits at position seq_len - query_len + i, and softmaxes in fp32.
 The cache starts filled with random (finite) values, so reading an unmasked stale slot would show.
+Sliding windows and logit soft-capping (ops/attention/base.py) are applied by the reference too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ NEEDS_FLASH_ATTN = pytest.mark.skipif(
     importlib.util.find_spec("flash_attn") is None,
     reason="flash-attn is not installed (pip install flash-attn>=2.6)",
 )
+NEEDS_TRITON = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (it ships with CUDA torch)"
+)
 NEEDS_XFORMERS = pytest.mark.skipif(
     importlib.util.find_spec("xformers") is None,
     reason="xformers is not installed (pip install xformers>=0.0.28)",
@@ -59,6 +63,10 @@ CASES = [
     pytest.param(Case("cpu", "cpu", torch.float32, 32, 1e-5), id="cpu-bs32", marks=NEEDS_CPU_KERNEL),
     pytest.param(Case("cpu", "cpu", torch.float32, 4, 1e-5), id="cpu-bs4", marks=NEEDS_CPU_KERNEL),
     pytest.param(Case("torch", "cuda", torch.float32, 16, 1e-4), id="torch-cuda-bs16", marks=NEEDS_CUDA),
+    pytest.param(Case("triton", "cuda", torch.float16, 16, 2e-3), id="triton-bs16", marks=[NEEDS_CUDA, NEEDS_TRITON]),
+    pytest.param(
+        Case("triton", "cuda", torch.float32, 128, 1e-4), id="triton-fp32-bs128", marks=[NEEDS_CUDA, NEEDS_TRITON]
+    ),
     pytest.param(
         Case("flash_attn", "cuda", torch.float16, 256, 2e-3),
         id="flash_attn-bs256",
@@ -82,17 +90,30 @@ HEAD_DIM = 32
 # ---------------------------------------------------------------- reference
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] are the last n positions of a sequence whose keys/values are k, v [S, Hkv, D]."""
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    cap: float | None = None,
+) -> torch.Tensor:
+    """q [n, Hq, D] are the last n positions of a sequence whose keys/values are k, v [S, Hkv, D]; a query
+    at p sees keys p - window < key <= p; soft-capped scores are cap * tanh(score / cap)."""
     n, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     q_pos = torch.arange(seq_len - n, seq_len).view(n, 1)
     k_pos = torch.arange(seq_len).view(1, seq_len)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -116,6 +137,8 @@ class Harness:
         final_lens: list[int],
         seed: int = 0,
         backend_cls: type[AttentionBackend] | None = None,  # default: the registry's answer for case.backend
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         self.case = case
         self.gen = torch.Generator().manual_seed(seed)
@@ -137,7 +160,15 @@ class Harness:
         self.scale = HEAD_DIM**-0.5
         if backend_cls is None:
             backend_cls = get_attn_backend(case.backend, case.device, case.dtype, self.bs)
-        self.backend: AttentionBackend = backend_cls(num_heads, num_kv_heads, HEAD_DIM, self.scale)
+        self.window, self.cap = sliding_window, logits_soft_cap
+        self.backend: AttentionBackend = backend_cls(
+            num_heads,
+            num_kv_heads,
+            HEAD_DIM,
+            self.scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
 
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen)
@@ -178,7 +209,7 @@ class Harness:
             slots += [s.blocks[p // self.bs] * self.bs + p % self.bs for p in range(lo, hi)]
             seq_lens.append(hi)
             tables.append(s.blocks[: math.ceil(hi / self.bs)])
-            refs.append(naive_attention(q_all[t : t + n], s.k[:hi], s.v[:hi], self.scale))
+            refs.append(naive_attention(q_all[t : t + n], s.k[:hi], s.v[:hi], self.scale, self.window, self.cap))
             t += n
             s.computed = hi
         fused[:, hq * HEAD_DIM : (hq + hkv) * HEAD_DIM] = torch.cat(new_k).view(num_tokens, -1)
@@ -251,6 +282,22 @@ def test_chunked_prefill_then_decode(case: Case, heads: tuple[int, int]) -> None
     h.step([(0, 1), (1, 1), (2, 1)])
 
 
+@pytest.mark.parametrize(
+    ("window", "cap"), [(1, None), (6, None), (None, 2.0), (9, 2.0)], ids=["w1", "w6", "cap2", "w9-cap2"]
+)
+@pytest.mark.parametrize("case", CASES)
+def test_sliding_window_and_soft_cap(case: Case, window: int | None, cap: float | None) -> None:
+    """Decodes, chunks on cached context and fresh prompts, the windows shorter than most contexts."""
+    backend_cls = get_attn_backend(case.backend, case.device, case.dtype, case.block_size)
+    if cap is not None and not backend_cls.supports_logits_soft_cap:
+        pytest.skip(f"{case.backend} refuses logits_soft_cap (tested in test_xformers_backend_glue_window)")
+    h = Harness(case, 8, 2, [21, 49, 4, 30, 61], seed=6, sliding_window=window, logits_soft_cap=cap)
+    for i, c in ((0, 19), (1, 47), (2, 2), (4, 25)):
+        h.prefill_context(i, c)
+    h.step([(0, 1), (1, 1), (2, 1), (3, 29), (4, 35)])
+    h.step([(i, 1) for i in range(5)])
+
+
 def test_single_long_decode_chunks_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows split into several gather chunks give the same answer."""
     import ops.attention.torch_backend as tb
@@ -291,11 +338,31 @@ def test_flash_attn_block_size_constraint() -> None:
 # cache writes, slot gathering, cu_seqlens, GQA layouts, mask choice, output shapes.
 
 
-def _emulated_flash_attn() -> types.ModuleType:
+def _flash_window_and_cap(window_size: tuple[int, int], softcap: float) -> tuple[int | None, float | None]:
+    """flash-attn's (left, right) window (-1: unbounded) and softcap (0: off) as naive_attention's options."""
+    left, right = window_size
+    assert right in (-1, 0), "a causal call sees no key after the query"
+    return (left + 1 if left >= 0 else None), (softcap if softcap > 0 else None)
+
+
+def _emulated_flash_attn(version: str = "2.6.3") -> types.ModuleType:
     def varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale, causal, block_table
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        softmax_scale,
+        causal,
+        block_table,
+        window_size=(-1, -1),
+        softcap=0.0,
     ):
         assert causal and block_table.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        window, cap = _flash_window_and_cap(window_size, softcap)
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         out = torch.empty_like(q)
         for b in range(len(cu_q) - 1):
@@ -304,20 +371,24 @@ def _emulated_flash_attn() -> types.ModuleType:
             keys = k[block_table[b].long()].flatten(0, 1)[:k_len]
             vals = v[block_table[b].long()].flatten(0, 1)[:k_len]
             out[cu_q[b] : cu_q[b + 1]] = naive_attention(
-                q[cu_q[b] : cu_q[b + 1]], keys, vals, softmax_scale
+                q[cu_q[b] : cu_q[b + 1]], keys, vals, softmax_scale, window, cap
             ).to(q)
         return out
 
-    def with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal):
+    def with_kvcache(
+        q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal, window_size=(-1, -1), softcap=0.0
+    ):
         assert causal and q.shape[1] == 1
+        window, cap = _flash_window_and_cap(window_size, softcap)
         out = torch.empty_like(q)
         for b, k_len in enumerate(cache_seqlens.tolist()):
             keys = k_cache[block_table[b].long()].flatten(0, 1)[:k_len]
             vals = v_cache[block_table[b].long()].flatten(0, 1)[:k_len]
-            out[b] = naive_attention(q[b], keys, vals, softmax_scale).to(q)
+            out[b] = naive_attention(q[b], keys, vals, softmax_scale, window, cap).to(q)
         return out
 
     mod = types.ModuleType("flash_attn")
+    mod.__version__ = version  # type: ignore[attr-defined]
     mod.flash_attn_varlen_func = varlen  # type: ignore[attr-defined]
     mod.flash_attn_with_kvcache = with_kvcache  # type: ignore[attr-defined]
     return mod
@@ -328,6 +399,7 @@ def _emulated_xformers_ops() -> types.ModuleType:
     class BottomRightMask:
         q_seqlen: list[int]
         kv_seqlen: list[int]
+        window: int | None = None  # make_local_attention_from_bottomright: query at p sees p - window < k <= p
 
     class BlockDiagonalMask:
         def __init__(self, q_seqlen: list[int], kv_seqlen: list[int]) -> None:
@@ -340,6 +412,9 @@ def _emulated_xformers_ops() -> types.ModuleType:
         def make_causal_from_bottomright(self) -> BottomRightMask:
             return BottomRightMask(self.q_seqlen, self.kv_seqlen)
 
+        def make_local_attention_from_bottomright(self, window_size: int) -> BottomRightMask:
+            return BottomRightMask(self.q_seqlen, self.kv_seqlen, window_size)
+
     def forward(q, k, v, *, attn_bias, scale):
         assert q.shape[0] == 1 and isinstance(attn_bias, BottomRightMask)
         q_shape = q.shape
@@ -350,7 +425,7 @@ def _emulated_xformers_ops() -> types.ModuleType:
         qs = ks = 0
         for q_len, k_len in zip(attn_bias.q_seqlen, attn_bias.kv_seqlen, strict=True):
             out[qs : qs + q_len] = naive_attention(
-                q[0, qs : qs + q_len], k[0, ks : ks + k_len], v[0, ks : ks + k_len], scale
+                q[0, qs : qs + q_len], k[0, ks : ks + k_len], v[0, ks : ks + k_len], scale, attn_bias.window
             )
             qs, ks = qs + q_len, ks + k_len
         return out.view(q_shape)
@@ -364,9 +439,19 @@ def _emulated_xformers_ops() -> types.ModuleType:
     return mod
 
 
-def _run_scenarios(case: Case, backend_cls: type[AttentionBackend]) -> None:
+def _run_scenarios(
+    case: Case, backend_cls: type[AttentionBackend], window: int | None = None, cap: float | None = None
+) -> None:
     for heads in ((8, 2), (4, 4)):
-        h = Harness(case, *heads, [21, 49, 4, 30, 61], seed=2, backend_cls=backend_cls)
+        h = Harness(
+            case,
+            *heads,
+            [21, 49, 4, 30, 61],
+            seed=2,
+            backend_cls=backend_cls,
+            sliding_window=window,
+            logits_soft_cap=cap,
+        )
         for i, c in ((0, 19), (1, 47), (2, 2), (4, 25)):
             h.prefill_context(i, c)
         h.step([(0, 1), (1, 1), (2, 1), (3, 29), (4, 35)])  # mixed
@@ -392,11 +477,76 @@ def test_xformers_backend_glue(monkeypatch: pytest.MonkeyPatch, block_size: int)
     _run_scenarios(Case("xformers", "cpu", torch.float32, block_size, 1e-5), XFormersBackend)
 
 
+@pytest.mark.parametrize(("window", "cap"), [(1, None), (7, None), (None, 3.0), (5, 2.0)])
+def test_flash_attn_backend_glue_window_and_soft_cap(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, cap: float | None
+) -> None:
+    """The emulation applies flash-attn's window_size / softcap as the library does: the backend's
+    translation of sliding_window / logits_soft_cap into them is what is checked."""
+    monkeypatch.setitem(sys.modules, "flash_attn", _emulated_flash_attn())
+    from ops.attention.flash_attn_backend import FlashAttnBackend
+
+    _run_scenarios(Case("flash_attn", "cpu", torch.float16, 256, 2e-3), FlashAttnBackend, window, cap)
+
+
+def test_flash_attn_before_2_6_refuses_window_and_soft_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn", _emulated_flash_attn("2.5.9"))
+    from ops.attention.flash_attn_backend import FlashAttnBackend
+
+    FlashAttnBackend(8, 2, 32, 0.1)  # neither option: any 2.x
+    with pytest.raises(ValueError, match=r"flash-attn>=2.6 .*found 2.5.9"):
+        FlashAttnBackend(8, 2, 32, 0.1, sliding_window=8)
+
+
+@pytest.mark.parametrize("window", [1, 7, 100])
+def test_xformers_backend_glue_window(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    monkeypatch.setitem(sys.modules, "xformers", types.ModuleType("xformers"))
+    monkeypatch.setitem(sys.modules, "xformers.ops", _emulated_xformers_ops())
+    from ops.attention.xformers_backend import XFormersBackend
+
+    _run_scenarios(Case("xformers", "cpu", torch.float32, 16, 1e-5), XFormersBackend, window)
+    with pytest.raises(ValueError, match="'xformers' does not implement attention logit soft-capping"):
+        XFormersBackend(8, 2, HEAD_DIM, 0.1, sliding_window=window, logits_soft_cap=30.0)
+
+
+def test_xformers_windowed_and_full_layers_share_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of one step with different windows (Gemma 2 alternates) each get their own cached plan."""
+    monkeypatch.setitem(sys.modules, "xformers", types.ModuleType("xformers"))
+    monkeypatch.setitem(sys.modules, "xformers.ops", _emulated_xformers_ops())
+    from ops.attention.torch_backend import TorchAttentionBackend
+    from ops.attention.xformers_backend import XFormersBackend
+
+    h = Harness(Case("torch", "cpu", torch.float32, 16, 1e-5), 8, 2, [40, 9], seed=7)
+    h.prefill_context(0, 30)
+    gen = torch.Generator().manual_seed(7)
+    rows = [(0, 30, 10), (1, 0, 9)]  # (seq, cached, new)
+    query = torch.randn(19, 8, HEAD_DIM, generator=gen)
+    key, value = torch.randn(19, 2, HEAD_DIM, generator=gen), torch.randn(19, 2, HEAD_DIM, generator=gen)
+    tables = [h.seqs[i].blocks + [0] * (3 - len(h.seqs[i].blocks)) for i, _, _ in rows]
+    slots = [h.seqs[i].blocks[p // 16] * 16 + p % 16 for i, c, n in rows for p in range(c, c + n)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 10, 19], dtype=torch.int32),
+        seq_lens=torch.tensor([40, 9], dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+        max_query_len=10,
+        max_seq_len=40,
+    )
+    for window in (None, 4, None, 12, 4):
+        expected = TorchAttentionBackend(8, 2, HEAD_DIM, 0.1, sliding_window=window).forward(
+            query, key, value, h.key_cache, h.value_cache, meta
+        )
+        out = XFormersBackend(8, 2, HEAD_DIM, 0.1, sliding_window=window).forward(
+            query, key, value, h.key_cache, h.value_cache, meta
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- registry
 
 
 def test_registry_names() -> None:
-    assert ATTENTION_BACKENDS == ("auto", "torch", "cpu", "flash_attn", "xformers")
+    assert ATTENTION_BACKENDS == ("auto", "torch", "cpu", "triton", "flash_attn", "xformers")
 
 
 @NEEDS_CPU_KERNEL
@@ -428,7 +578,7 @@ def test_unknown_backend_name() -> None:
         get_attn_backend("x", "cpu")
 
 
-@pytest.mark.parametrize("name", ["flash_attn", "xformers"])
+@pytest.mark.parametrize("name", ["triton", "flash_attn", "xformers"])
 def test_cuda_backend_on_cpu_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"attention_backend='{name}'.*CUDA"):
         get_attn_backend(name, torch.device("cpu"), torch.float16, 256)

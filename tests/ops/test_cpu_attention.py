@@ -3,6 +3,8 @@
 Shapes like the models we serve (SmolLM2: 9 query / 3 KV heads, head_dim 64), ragged context
 lengths from 1 to several blocks, blocks scattered over a pool filled with random values, block
 sizes 16 and 32; few rows (split per KV head) and many rows (one work item per row); MHA and GQA.
+Sliding windows (shorter and longer than the contexts, 1) and logit soft-capping, with the cache
+slots before each row's window poisoned with NaN: the kernel must not read them at all.
 """
 
 from __future__ import annotations
@@ -62,14 +64,39 @@ def _assert_kernel_matches_reference(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
+    window: int | None = None,
+    cap: float | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
-    reference = TorchAttentionBackend(num_heads, key_cache.shape[2], head_dim, head_dim**-0.5)
+    options = {"sliding_window": window, "logits_soft_cap": cap}
+    reference = TorchAttentionBackend(num_heads, key_cache.shape[2], head_dim, head_dim**-0.5, **options)
     expected = torch.empty_like(query)
     reference._decode(query, key_cache, value_cache, meta, expected)
+    if window is not None:  # (the reference reads and masks them; NaN would spread through its matmul)
+        key_cache, value_cache = _poison_before_window(key_cache, value_cache, meta, window)
     out = torch.full_like(query, float("nan"))
-    kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out)
+    kernels.paged_decode_attention(
+        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5, out, **options
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def _poison_before_window(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with NaN in every slot before each decode row's window (positions
+    < seq_len - window): a kernel that reads one, masked or not, returns NaN."""
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    block_size = key_cache.shape[1]
+    tables = meta.block_tables.tolist()
+    slots = [
+        tables[row][pos // block_size] * block_size + pos % block_size
+        for row, seq_len in enumerate(meta.seq_lens.tolist())
+        for pos in range(max(0, seq_len - window))
+    ]
+    for cache in (key_cache, value_cache):
+        cache.view(-1, *cache.shape[2:])[torch.tensor(slots, dtype=torch.long)] = float("nan")
+    return key_cache, value_cache
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -106,6 +133,36 @@ def test_decode_kernel_other_head_shapes(
     lens = torch.randint(1, 40 * 16, (num_rows,), generator=gen).tolist()
     query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, heads, head_dim, 16)
     _assert_kernel_matches_reference(kernels, query, key_cache, value_cache, meta)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(
+    ("window", "cap"),
+    [(1, None), (7, None), (200, None), (2**40, None), (None, 5.0), (37, 2.0)],
+    ids=["w1", "w7", "w200", "w-past-contexts", "cap5", "w37-cap2"],
+)
+# 2 long rows: one work item per KV head, in parallel; 30 rows: one item per row.
+@pytest.mark.parametrize("num_rows", [2, 30])
+def test_decode_kernel_window_and_soft_cap(
+    kernels: ModuleType, block_size: int, window: int | None, cap: float | None, num_rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(block_size + num_rows)
+    lens = torch.randint(1, 1300, (num_rows,), generator=gen).tolist()
+    lens[0], lens[-1] = 1, 1297  # a single key; a window starting mid-block far into the context
+    query, key_cache, value_cache, meta = _random_paged_decode(gen, lens, (9, 3), 64, block_size)
+    _assert_kernel_matches_reference(kernels, query * 3.0, key_cache, value_cache, meta, window, cap)
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim"), [((10, 2), 40), ((6, 3), 36)], ids=["group5-d40", "scalar-d36"]
+)
+def test_decode_kernel_window_and_soft_cap_other_head_shapes(
+    kernels: ModuleType, heads: tuple[int, int], head_dim: int
+) -> None:
+    """The AVX2 soft-cap's scalar tail (a row of 37 % 8 keys) and the portable loops' window and cap."""
+    gen = torch.Generator().manual_seed(head_dim)
+    query, key_cache, value_cache, meta = _random_paged_decode(gen, [1, 30, 70, 301], heads, head_dim, 16)
+    _assert_kernel_matches_reference(kernels, query * 3.0, key_cache, value_cache, meta, 37, 2.0)
 
 
 def test_decode_kernel_softmax_of_widely_spread_scores(kernels: ModuleType) -> None:
@@ -156,6 +213,10 @@ def test_decode_kernel_refuses_bad_inputs(kernels: ModuleType) -> None:
     too_long = torch.tensor([meta.block_tables.shape[1] * 16 + 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="seq_len out of the block table's range"):
         call(query, key_cache, value_cache, meta.block_tables, too_long, 1.0, out)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        call(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, 1.0, out, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
+        call(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, 1.0, out, logits_soft_cap=-1.0)
 
 
 def test_a_lock_left_by_a_killed_loader_does_not_hang_the_next(kernels: ModuleType) -> None:
@@ -164,8 +225,7 @@ def test_a_lock_left_by_a_killed_loader_does_not_hang_the_next(kernels: ModuleTy
     import subprocess
     import sys
 
-    isa, _ = kernels._isa_flags()
-    stale = kernels.build_directory(f"raytp_cpu_kernels_{isa}") / "lock"
+    stale = kernels.build_directory(kernels.build_name()) / "lock"
     stale.touch()
     probe = "from ops.attention import cpu_kernels; print(cpu_kernels.load_error())"
     try:

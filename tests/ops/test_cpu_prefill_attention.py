@@ -5,7 +5,9 @@ cache): decode rows first, then prefill rows with ragged query lengths, some on 
 context (chunked prefill, prefix-cache hits) that spans scattered blocks of a pool filled with
 random values; block sizes 16 and 32; GQA, MHA and MQA; head_dims the AVX2 code takes in 32- and
 8-float steps. Prompts longer than a query tile (16) and one key tile (16) exercise the online
-softmax across tiles and the causal edge inside a tile.
+softmax across tiles and the causal edge inside a tile. Sliding windows (1, inside a tile, across
+tiles, longer than every context) and logit soft-capping, block sizes 16 and 128, with the cache
+slots that no query's window reaches poisoned with NaN: the kernels must not read them at all.
 """
 
 from __future__ import annotations
@@ -69,20 +71,51 @@ def _step(
 
 
 def _assert_matches_reference(
-    rows: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int, seed: int
+    rows: list[tuple[int, int]],
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    seed: int,
+    window: int | None = None,
+    cap: float | None = None,
 ) -> None:
     from ops.attention.cpu_backend import CpuAttentionBackend
 
     gen = torch.Generator().manual_seed(seed)
     query, key, value, key_cache, value_cache, meta = _step(gen, rows, heads, head_dim, block_size)
+    if cap is not None:
+        query = query * 3.0  # scores of a few units: tanh far from linear at caps of a few units
     scale = head_dim**-0.5
-    expected = TorchAttentionBackend(heads[0], heads[1], head_dim, scale).forward(
+    options = {"sliding_window": window, "logits_soft_cap": cap}
+    expected = TorchAttentionBackend(heads[0], heads[1], head_dim, scale, **options).forward(
         query, key, value, key_cache.clone(), value_cache.clone(), meta
     )
-    kernel = CpuAttentionBackend(heads[0], heads[1], head_dim, scale)
+    if window is not None:
+        _poison_outside_windows(key_cache, value_cache, rows, meta, window)
+    kernel = CpuAttentionBackend(heads[0], heads[1], head_dim, scale, **options)
     assert kernel._prefill_kernel
     out = kernel.forward(query, key, value, key_cache, value_cache, meta)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def _poison_outside_windows(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows: list[tuple[int, int]],
+    meta: AttentionMetadata,
+    window: int,
+) -> None:
+    """NaN in every cached slot before the window of its row's first query (position = cached tokens):
+    no query of the row may attend it, so a kernel that reads one, masked or not, returns NaN."""
+    block_size = key_cache.shape[1]
+    tables = meta.block_tables.tolist()
+    slots = [
+        tables[r][pos // block_size] * block_size + pos % block_size
+        for r, (_, cached) in enumerate(rows)
+        for pos in range(max(0, cached - window + 1))
+    ]
+    for cache in (key_cache, value_cache):
+        cache.view(-1, *cache.shape[2:])[torch.tensor(slots, dtype=torch.long)] = float("nan")
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -110,6 +143,29 @@ def test_prefill_kernel_matches_torch_reference(
 )
 def test_prefill_kernel_other_head_shapes(heads: tuple[int, int], head_dim: int) -> None:
     _assert_matches_reference([(1, 9), (23, 0), (40, 37)], heads, head_dim, 16, seed=head_dim)
+
+
+# Decodes, chunks over cached context (ending mid-block, longer than a query tile), a fresh prompt over
+# several query and key tiles, a short chunk at the end of a long context.
+_WINDOW_ROWS = [(1, 40), (1, 300), (5, 60), (33, 16), (70, 129), (150, 0), (16, 1000)]
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["gqa9x3", "mqa8"])
+@pytest.mark.parametrize(
+    ("window", "cap"),
+    [(1, None), (13, None), (48, None), (2**40, None), (None, 2.5), (13, 2.5), (100, 30.0)],
+    ids=["w1", "w13", "w48", "w-past-contexts", "cap2.5", "w13-cap2.5", "w100-cap30"],
+)
+def test_prefill_kernel_window_and_soft_cap(
+    block_size: int, heads: tuple[int, int], window: int | None, cap: float | None
+) -> None:
+    _assert_matches_reference(_WINDOW_ROWS, heads, 64, block_size, seed=block_size, window=window, cap=cap)
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [((10, 2), 40), ((8, 4), 128)], ids=["group5-d40", "group2-d128"])
+def test_prefill_kernel_window_and_soft_cap_other_head_shapes(heads: tuple[int, int], head_dim: int) -> None:
+    _assert_matches_reference([(1, 9), (23, 0), (40, 37)], heads, head_dim, 16, seed=head_dim, window=21, cap=4.0)
 
 
 def test_prefill_kernel_reads_a_strided_query() -> None:

@@ -1,6 +1,9 @@
 // Paged decode attention on the CPU: one query token per row, keys and values read in place from
 // the paged cache. No gather into a padded buffer, no mask: each row touches exactly its own
-// seq_len keys and values, once, whatever the other rows' lengths.
+// seq_len keys and values, once, whatever the other rows' lengths. With a sliding window w
+// (`window` > 0) a row reads only its last min(w, seq_len) keys, starting inside the block that
+// holds the first of them (the blocks before it are never touched); with `soft_cap` c > 0 the
+// scores become c * tanh(score / c) before the softmax (ops/attention/base.py has both semantics).
 //
 // Layouts (see ops/attention/base.py): query/out [rows, num_heads, head_dim] (last dim contiguous),
 // key/value cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous, block_tables
@@ -87,6 +90,11 @@ void block_accumulate_scalar(const Item& it, const float* vb, const float* next,
       for (int64_t d = 0; d < it.head_dim; ++d) a[d] += w * v[d];
     }
   }
+}
+
+// sc[t] = cap * tanh(sc[t] / cap): logit soft-capping (Gemma 2).
+void soft_cap_scalar(float* sc, int64_t len, float cap) {
+  for (int64_t t = 0; t < len; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
 }
 
 // sc[t] = exp(sc[t] - max), returns the sum.
@@ -185,6 +193,13 @@ void block_accumulate_avx2(const Item& it, const float* vb, const float* next, i
       accumulate_span<1>(p + j * ld, v + d, n, it.token_stride, a + d, j == 0 && d == 0 ? next : nullptr, slot);
     }
   }
+}
+
+void soft_cap_avx2(float* sc, int64_t len, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), two_over_c = _mm256_set1_ps(2.f / cap);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) _mm256_storeu_ps(sc + t, raytp::soft_cap8(_mm256_loadu_ps(sc + t), c, two_over_c));
+  for (; t < len; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
 }
 
 float softmax_numerators_avx2(float* sc, int64_t len) {
@@ -316,11 +331,12 @@ void block_accumulate_avx2(const Item&, const float*, const float*, int64_t, con
 void block_scores_avx512(const Item&, const float*, const float*, int64_t, float*, int64_t) {}
 void block_accumulate_avx512(const Item&, const float*, const float*, int64_t, const float*, int64_t, float*) {}
 float softmax_numerators_avx2(float*, int64_t) { return 0.f; }
+void soft_cap_avx2(float*, int64_t, float) {}
 #endif
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            const at::Tensor& out) {
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                            double soft_cap, const at::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [rows, heads, head_dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "caches must be [blocks, bs, kv_heads, d]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
@@ -335,6 +351,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim, "cache head_dim differs from the query's");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "window and soft_cap must be >= 0 (0: none)");
   TORCH_CHECK(block_tables.size(0) >= rows && seq_lens.size(0) >= rows, "one block table and seq_len per row");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -368,42 +385,53 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   // a core (a parallel region then waits for a descheduled thread).
   const int64_t num_items = rows * splits;
   int64_t work = 0;
-  for (int64_t r = 0; r < rows; ++r) work += lens[r];
+  for (int64_t r = 0; r < rows; ++r) work += window > 0 ? std::min<int64_t>(lens[r], window) : lens[r];
   const int64_t threads = work * num_kv_heads < kMinParallelTokens ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
   const bool avx2 = kHaveAvx2 && head_dim % 8 == 0;
   const bool avx512 = kHaveAvx2 && head_dim % 16 == 0 && have_avx512();
   const auto block_scores = avx512 ? block_scores_avx512 : avx2 ? block_scores_avx2 : block_scores_scalar;
   const auto block_accumulate = avx512 ? block_accumulate_avx512 : avx2 ? block_accumulate_avx2 : block_accumulate_scalar;
   const auto softmax_numerators = avx2 ? softmax_numerators_avx2 : softmax_numerators_scalar;
+  const auto apply_soft_cap = avx2 ? soft_cap_avx2 : soft_cap_scalar;
+  const float cap = static_cast<float>(soft_cap);
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> q(vecs * head_dim), acc(vecs * head_dim), inv_sum(vecs), scores;
     const Item it{q.data(), heads_per_item, group, head_dim, token_stride};
     for (int64_t item = next_item++; item < num_items; item = next_item++) {
       const int64_t r = item / splits, h0 = (item % splits) * heads_per_item;
-      const int64_t len = lens[r];
+      // The row's query sits at position lens[r] - 1 and attends keys [first, lens[r]): with a window,
+      // blocks wholly before `first` are never read, and the first one read is entered part-way.
+      const int64_t end = lens[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      const int64_t len = end - first;
       const int32_t* table = tables + r * table_row;
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const int64_t b0 = first / block_size, b1 = (end + block_size - 1) / block_size;
       // Query vector j = (head h0 + j / group, its j % group-th query head), pre-scaled.
       for (int64_t j = 0; j < vecs; ++j) {
         const float* src = q_base + r * q_row + (h0 * group + j) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) q[j * head_dim + d] = src[d] * fscale;
       }
-      // scores[j * len + t]: query vector j against cached token t, then its softmax numerator.
+      // scores[j * len + t - first]: query vector j against cached token t, then its softmax numerator.
       scores.resize(vecs * len);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-        block_scores(it, k_base + static_cast<int64_t>(table[b]) * block_stride + h0 * head_dim,
-                     b + 1 < num_blocks ? k_base + static_cast<int64_t>(table[b + 1]) * block_stride + h0 * head_dim : nullptr,
-                     n, scores.data() + t0, len);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t t0 = std::max(b * block_size, first), n = std::min((b + 1) * block_size, end) - t0;
+        const int64_t in_block = (t0 - b * block_size) * token_stride + h0 * head_dim;
+        block_scores(it, k_base + static_cast<int64_t>(table[b]) * block_stride + in_block,
+                     b + 1 < b1 ? k_base + static_cast<int64_t>(table[b + 1]) * block_stride + h0 * head_dim : nullptr,
+                     n, scores.data() + t0 - first, len);
+      }
+      if (cap > 0.f) {
+        for (int64_t j = 0; j < vecs; ++j) apply_soft_cap(scores.data() + j * len, len, cap);
       }
       for (int64_t j = 0; j < vecs; ++j) inv_sum[j] = 1.f / softmax_numerators(scores.data() + j * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-        block_accumulate(it, v_base + static_cast<int64_t>(table[b]) * block_stride + h0 * head_dim,
-                         b + 1 < num_blocks ? v_base + static_cast<int64_t>(table[b + 1]) * block_stride + h0 * head_dim : nullptr,
-                         n, scores.data() + t0, len, acc.data());
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t t0 = std::max(b * block_size, first), n = std::min((b + 1) * block_size, end) - t0;
+        const int64_t in_block = (t0 - b * block_size) * token_stride + h0 * head_dim;
+        block_accumulate(it, v_base + static_cast<int64_t>(table[b]) * block_stride + in_block,
+                         b + 1 < b1 ? v_base + static_cast<int64_t>(table[b + 1]) * block_stride + h0 * head_dim : nullptr,
+                         n, scores.data() + t0 - first, len, acc.data());
       }
       for (int64_t j = 0; j < vecs; ++j) {
         float* dst = o_base + r * o_row + (h0 * group + j) * o_head;
@@ -418,7 +446,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
 TORCH_LIBRARY(raytp_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+      "Tensor seq_lens, float scale, int window, float soft_cap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

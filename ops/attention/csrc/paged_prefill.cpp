@@ -6,7 +6,10 @@
 // key/value cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous, block_tables
 // [rows, max_blocks] int32, query_start_loc [rows + 1] int32, seq_lens [rows] int32, all fp32.
 // Rows [first_row, rows) are computed; a row's query token t (of q_len) sits at position
-// seq_len - q_len + t and attends to keys 0 ..= that position.
+// seq_len - q_len + t and attends to keys 0 ..= that position, or with a sliding window w (`window` > 0)
+// to the keys after position - w only; with `soft_cap` c > 0 the scores become c * tanh(score / c)
+// (ops/attention/base.py). A work item's key tiles start at its first query's window, so the keys
+// before it are never read; within a tile a query's keys before its window are masked.
 //
 // Flash-style: a work item is (row, kv head, tile of kQueryTile query positions); its G = heads/kv_heads
 // query heads share every K/V read, so an item holds kQueryTile * G query vectors. Keys are visited
@@ -48,6 +51,11 @@ struct Job {
   int64_t row, kv_head, t0, t1;  // query positions [t0, t1) of the row, 0-based within its chunk
 };
 
+// The first key any query of the item sees: the window of its first query (position ctx + t0).
+inline int64_t key_range_begin(const Job& job, int64_t ctx, int64_t w) {
+  return std::max<int64_t>(0, ctx + job.t0 - w + 1);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 
 inline float hmax8(__m256 v) {
@@ -68,8 +76,8 @@ inline float hsum8(__m256 v) {
 void run_job(const Job& job, const float* query, const float* key_cache, const float* value_cache,
              const int32_t* block_table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t q_row_stride,
              int64_t q_head_stride, int64_t o_row_stride, int64_t o_head_stride, int64_t num_heads,
-             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
-             std::vector<float>& scratch) {
+             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float cap,
+             float* out, std::vector<float>& scratch) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_dim;
   const int64_t nt = job.t1 - job.t0;
@@ -99,8 +107,10 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
   std::fill(m, m + nq, neg_inf);
   std::fill(l, l + nq, 0.f);
 
+  // Query at position p sees keys p - w < k <= p; w = seq_len (no window, or a wider one) reaches key 0.
+  const int64_t w = window > 0 ? std::min(window, seq_len) : seq_len;
   const int64_t key_end = ctx + job.t1;  // the last query's position + 1
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
+  for (int64_t k0 = key_range_begin(job, ctx, w); k0 < key_end; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, key_end - k0);
     // Gather this tile's keys transposed (kt[d][j]); slots past nk are zero and masked below.
     const float* vrow[kKeyTile];
@@ -119,12 +129,15 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
     // Queries whose position is before k0 see none of this tile; positions grow with t, so they
     // are a prefix of the item's queries.
     const int64_t first_t = std::max<int64_t>(0, k0 - ctx - job.t0);
-    if (first_t >= nt) continue;
-    const int64_t n0 = first_t * group;
+    // Queries whose window ends before this tile's last key (position > last key + w - 1) see none of
+    // it either: a suffix of the item's queries. Without a window, none.
+    const int64_t end_t = std::min<int64_t>(nt, k0 + nk - 1 + w - ctx - job.t0);
+    if (first_t >= end_t) continue;
+    const int64_t n0 = first_t * group, n1 = end_t * group;
 
     // Scores, 4 query vectors at a time: s[n][j] = q_n . k_j (16 keys in two vectors).
     int64_t n = n0;
-    for (; n + 4 <= nq; n += 4) {
+    for (; n + 4 <= n1; n += 4) {
       __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
              a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
              a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
@@ -155,7 +168,7 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
       _mm256_storeu_ps(sn + 48, a30);
       _mm256_storeu_ps(sn + 56, a31);
     }
-    for (; n < nq; ++n) {
+    for (; n < n1; ++n) {
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
       const float* qn = q + n * D;
       for (int64_t d = 0; d < D; ++d) {
@@ -167,19 +180,33 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
       _mm256_storeu_ps(s + n * kKeyTile + 8, a1);
     }
 
-    // Causal mask and online softmax, one query vector at a time: s_n becomes p_n (exactly 0 on the
-    // masked keys), m and l are updated, and corr_n is the factor o_n must be rescaled by.
+    // Causal (and window) mask and online softmax, one query vector at a time: s_n becomes p_n
+    // (exactly 0 on the masked keys), m and l are updated, and corr_n is the factor o_n must be
+    // rescaled by. Each of these queries sees at least one key of the tile (the range above).
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (n = n0; n < nq; ++n) {
-      const int64_t visible = std::min<int64_t>(nk, ctx + job.t0 + n / group - k0 + 1);  // keys k0 .. k0+visible-1
+    const __m256 lane8 = _mm256_add_ps(lane, _mm256_set1_ps(8.f));
+    const __m256 cap_v = _mm256_set1_ps(cap), two_over_cap = _mm256_set1_ps(cap > 0.f ? 2.f / cap : 0.f);
+    for (n = n0; n < n1; ++n) {
+      const int64_t p = ctx + job.t0 + n / group;  // this query's position
+      const int64_t visible = std::min<int64_t>(nk, p - k0 + 1);  // keys k0 .. k0+visible-1
       vis[n] = static_cast<float>(visible);
       float* sn = s + n * kKeyTile;
       const __m256 lim = _mm256_set1_ps(static_cast<float>(visible));
-      const __m256 keep0 = _mm256_cmp_ps(lane, lim, _CMP_LT_OQ);
-      const __m256 keep1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f)), lim, _CMP_LT_OQ);
+      __m256 keep0 = _mm256_cmp_ps(lane, lim, _CMP_LT_OQ);
+      __m256 keep1 = _mm256_cmp_ps(lane8, lim, _CMP_LT_OQ);
+      if (p - w + 1 > k0) {  // the window starts inside this tile: lanes before its first key go too
+        const __m256 low = _mm256_set1_ps(static_cast<float>(p - w + 1 - k0));
+        keep0 = _mm256_and_ps(keep0, _mm256_cmp_ps(lane, low, _CMP_GE_OQ));
+        keep1 = _mm256_and_ps(keep1, _mm256_cmp_ps(lane8, low, _CMP_GE_OQ));
+      }
       const __m256 ninf = _mm256_set1_ps(neg_inf);
-      __m256 s0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sn), keep0);
-      __m256 s1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sn + 8), keep1);
+      __m256 s0 = _mm256_loadu_ps(sn), s1 = _mm256_loadu_ps(sn + 8);
+      if (cap > 0.f) {
+        s0 = raytp::soft_cap8(s0, cap_v, two_over_cap);
+        s1 = raytp::soft_cap8(s1, cap_v, two_over_cap);
+      }
+      s0 = _mm256_blendv_ps(ninf, s0, keep0);
+      s1 = _mm256_blendv_ps(ninf, s1, keep1);
       const float tile_max = hmax8(_mm256_max_ps(s0, s1));
       const float m_new = std::max(m[n], tile_max);
       corr[n] = m[n] == neg_inf ? 0.f : std::exp(m[n] - m_new);
@@ -194,8 +221,8 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
 
     // o_n = o_n * corr_n + p_n V, two query vectors at a time so each V load feeds two FMAs. A pair
     // runs over the longer of its two visible ranges: the other's extra weights are exactly 0.
-    for (n = n0; n < nq; n += 2) {
-      const bool pair = n + 1 < nq;
+    for (n = n0; n < n1; n += 2) {
+      const bool pair = n + 1 < n1;
       const auto visible = static_cast<int64_t>(pair ? std::max(vis[n], vis[n + 1]) : vis[n]);
       const float* pa = s + n * kKeyTile;
       const float* pb = pair ? pa + kKeyTile : pa;
@@ -275,7 +302,8 @@ RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float
                                  const int32_t* block_table, int64_t q_start, int64_t q_len, int64_t seq_len,
                                  int64_t q_row_stride, int64_t q_head_stride, int64_t o_row_stride,
                                  int64_t o_head_stride, int64_t num_heads, int64_t num_kv_heads, int64_t,
-                                 int64_t block_size, float scale, float* out, std::vector<float>& scratch) {
+                                 int64_t block_size, float scale, int64_t window, float cap, float* out,
+                                 std::vector<float>& scratch) {
   constexpr int64_t T = 16;  // lanes: query positions (kQueryTile), and keys per tile (kKeyTile)
   static_assert(kQueryTile == T && kKeyTile == T, "one vector of positions, one of keys");
   const int64_t group = num_heads / num_kv_heads;
@@ -308,10 +336,12 @@ RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float
                        _mm512_set1_epi32(static_cast<int32_t>(nt - 1))));
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
+  const int64_t w = window > 0 ? std::min(window, seq_len) : seq_len;  // as in run_job (and fits int32 lanes)
+  const __m512 cap_v = _mm512_set1_ps(cap), two_over_cap = _mm512_set1_ps(cap > 0.f ? 2.f / cap : 0.f);
   const int64_t key_end = ctx + job.t1;
-  for (int64_t k0 = 0; k0 < key_end; k0 += T) {
+  for (int64_t k0 = key_range_begin(job, ctx, w); k0 < key_end; k0 += T) {
     const int64_t nk = std::min(T, key_end - k0);
-    __mmask16 vis[T];  // lanes whose position is at or after key k0 + j; none for the padding keys
+    __mmask16 vis[T];  // lanes whose window holds key k0 + j: k0 + j <= position < k0 + j + w; none for padding
     for (int64_t j = 0; j < T; ++j) {
       const int64_t pos_j = k0 + std::min(j, nk - 1);  // padding keys repeat the last one (masked off)
       const int64_t slot = static_cast<int64_t>(block_table[pos_j / block_size]) * block_size + pos_j % block_size;
@@ -322,7 +352,10 @@ RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float
         _mm512_store_ps(kb + j * D + d, _mm512_loadu_ps(ks + d));
         _mm512_store_ps(vb + j * D + d, _mm512_loadu_ps(vs + d));
       }
-      vis[j] = j < nk ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(k0 + j))) : 0;
+      vis[j] = j < nk ? _mm512_mask_cmplt_epi32_mask(
+                            _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(k0 + j))), pos,
+                            _mm512_set1_epi32(static_cast<int32_t>(k0 + j + w)))
+                      : 0;
     }
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = qT + h * D * T;
@@ -343,13 +376,20 @@ RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) s[half * 8 + j] = a[j];
       }
+      if (cap > 0.f) {
+#pragma GCC unroll 16
+        for (int j = 0; j < T; ++j) s[j] = raytp::soft_cap16(s[j], cap_v, two_over_cap);
+      }
       // Online softmax, vertical: masked keys are -inf for the max and exactly 0 as weights.
       __m512 mt = neg_inf;
 #pragma GCC unroll 16
       for (int j = 0; j < T; ++j) mt = _mm512_max_ps(mt, _mm512_mask_mov_ps(neg_inf, vis[j], s[j]));
       const __m512 m_old = _mm512_load_ps(m + h * T);
-      const __m512 m_new = _mm512_max_ps(m_old, mt);  // finite: every lane sees key 0 in the first tile
-      const __m512 corr = raytp::exp16(_mm512_sub_ps(m_old, m_new));  // first tile: ~1e-38 times o = 0
+      // A lane may have seen no key yet (m = -inf: a window starts after the item's first tile): its
+      // corr is exactly 0 (o and l are still 0), never exp(-inf - -inf).
+      const __m512 m_new = _mm512_max_ps(m_old, mt);
+      const __mmask16 seen = _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_OQ);
+      const __m512 corr = _mm512_maskz_mov_ps(seen, raytp::exp16(_mm512_sub_ps(m_old, m_new)));
       __m512 sum = _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int j = 0; j < T; ++j) {
@@ -393,7 +433,8 @@ RAYTP_AVX512 void run_job_avx512(const Job& job, const float* query, const float
 
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                             const at::Tensor& seq_lens, int64_t first_row, double scale, at::Tensor& out) {
+                             const at::Tensor& seq_lens, int64_t first_row, double scale, int64_t window,
+                             double soft_cap, at::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [tokens, heads, head_dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "caches must be [blocks, bs, kv_heads, d]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
@@ -412,6 +453,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   const int64_t rows = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == rows + 1 && block_tables.size(0) >= rows, "one start, table and length per row");
   TORCH_CHECK(first_row >= 0 && first_row <= rows, "first_row out of range");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "window and soft_cap must be >= 0 (0: none)");
 #if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -426,10 +468,12 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
     for (int64_t g = 0; g < num_kv_heads; ++g)
       for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) jobs.push_back({r, g, t0, std::min(q_len, t0 + kQueryTile)});
   }
-  // Longest items first: a thread that finishes early then takes the short ones.
-  std::stable_sort(jobs.begin(), jobs.end(), [&](const Job& a, const Job& b) {
-    return lens[a.row] - (starts[a.row + 1] - starts[a.row]) + a.t1 > lens[b.row] - (starts[b.row + 1] - starts[b.row]) + b.t1;
-  });
+  // Longest items first (by the keys they read): a thread that finishes early then takes the short ones.
+  const auto keys_read = [&](const Job& job) {
+    const int64_t ctx = lens[job.row] - (starts[job.row + 1] - starts[job.row]);
+    return ctx + job.t1 - key_range_begin(job, ctx, window > 0 ? window : lens[job.row]);
+  };
+  std::stable_sort(jobs.begin(), jobs.end(), [&](const Job& a, const Job& b) { return keys_read(a) > keys_read(b); });
   const float* q = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
   const float* vc = value_cache.data_ptr<float>();
@@ -452,7 +496,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
       const int64_t r = job.row;
       run(job, q, kc, vc, tables + r * table_stride, starts[r], starts[r + 1] - starts[r], lens[r], query.stride(0),
           query.stride(1), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size,
-          static_cast<float>(scale), o, scratch);
+          static_cast<float>(scale), window, static_cast<float>(soft_cap), o, scratch);
     }
   });
 #else
@@ -465,7 +509,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
 TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, int first_row, float scale, Tensor(a!) out) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, int first_row, float scale, int window, float soft_cap, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
