@@ -182,6 +182,8 @@ class ModelConfig:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = _as_id_tuple(getattr(hf_config, "eos_token_id", None)) + tuple(extra_eos_token_ids)
         num_layers = hf_config.num_hidden_layers
+        # Gemma's models read `hidden_activation` (their config.json may also carry a `hidden_act`)
+        hidden_act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu"
         return cls(
             architecture=architecture,
             vocab_size=hf_config.vocab_size,
@@ -203,8 +205,7 @@ class ModelConfig:
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_dtype_name(hf_config),
             layer_windows=_layer_windows(hf_config, num_layers),
-            # Gemma's models read `hidden_activation` (their config.json may also carry a `hidden_act`)
-            hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu",
+            hidden_act=hidden_act,
             hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else {**defaults, **hf_config.to_dict()},
         )
 

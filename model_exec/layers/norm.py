@@ -71,9 +71,13 @@ class GemmaRMSNorm(RMSNorm):
         self.scale: torch.Tensor
         self.register_buffer("scale", torch.ones(hidden_size, dtype=torch.float32), persistent=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
         if loaded_weight.shape != param.shape:
-            raise ValueError(f"checkpoint norm has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}")
+            raise ValueError(
+                f"checkpoint norm has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}"
+            )
         param.data.copy_(loaded_weight)
         self.scale.copy_(1.0 + param.data.float())  # from the parameter: the rounding HF's forward sees
 

@@ -199,7 +199,9 @@ class Gemma2Model(nn.Module):
     @staticmethod
     def rotary_embeddings(config: ModelConfig) -> tuple[list[RotaryEmbedding], list[int]]:
         """The model's rotary embeddings and, per layer, the index of the one it uses (Gemma 2: one)."""
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
         return [rotary], [0] * config.num_hidden_layers
 
     def forward(

@@ -95,7 +95,9 @@ class Gemma3Model(Gemma2Model):
         types = hf_layer_types(hf.get("layer_types"), hf.get("sliding_window_pattern"), config.num_hidden_layers)
         types = types or ["full_attention"] * config.num_hidden_layers
         if len(types) != config.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
-            raise ValueError(f"config.json: Gemma 3's layer_types must be one of {LAYER_TYPES} per layer, got {types!r}")
+            raise ValueError(
+                f"config.json: Gemma 3's layer_types must be one of {LAYER_TYPES} per layer, got {types!r}"
+            )
         ropes = rope_by_layer_type(config)
         rotaries = [
             RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
