@@ -7,12 +7,18 @@ HF runs Gemma 2 with eager attention (its sdpa path cannot soft-cap), the defaul
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from model_exec.layers.norm import GemmaRMSNorm
+from model_exec.models import build_model
 from model_exec.models.gemma2 import GemmaOptions
+from model_exec.parallel import TPGroup
 from model_exec.source import read_model_config, resolve_model
+from ops.attention import get_attn_backend
 from tests.helpers.family_parity import (
     assert_engine_matches_hf,
     assert_prefill_matches_hf,
@@ -87,3 +93,28 @@ def test_transformers4_config_json_reads_as_hf_defaults_it(gemma2_dir: str, tmp_
         (old_dir / "config.json").write_text(json.dumps({**old, **bad}))
         with pytest.raises(ValueError, match=next(iter(bad))):
             GemmaOptions.parse(read_model_config(resolve_model(str(old_dir))))
+
+
+def test_bfloat16_norms_and_embedding_scale_round_as_hf(gemma2_dir: str) -> None:
+    """Off the float32 kernels: the norm multiplies by (1 + w) in float32 before casting (Llama's casts
+    first), and sqrt(hidden) is rounded to the model dtype (sqrt(3072) = 55.43 -> 55.5 in bfloat16)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2TextScaledWordEmbedding
+
+    bf16 = torch.bfloat16
+    torch.manual_seed(0)
+    weight = (0.3 * torch.randn(256)).to(bf16)
+    ref = Gemma2RMSNorm(256, eps=1e-6).to(bf16)
+    ref.weight.data.copy_(weight)
+    ours = GemmaRMSNorm(256, 1e-6, bf16)
+    ours.weight.weight_loader(ours.weight, weight)  # type: ignore[attr-defined]
+    x, residual = (4 * torch.randn(5, 256)).to(bf16), torch.randn(5, 256).to(bf16)
+    assert torch.equal(ours(x), ref(x))
+    normed, stream = ours(x.clone(), residual.clone())
+    assert torch.equal(stream, residual + x) and torch.equal(normed, ref(residual + x))
+
+    config = read_model_config(resolve_model(gemma2_dir))
+    config = replace(config, hidden_size=3072, num_hidden_layers=1, layer_windows=(8,))
+    model = build_model(config, TPGroup.single(), get_attn_backend("torch", "cpu"), "cpu", bf16)
+    hf_scale = Gemma2TextScaledWordEmbedding(4, 3072, 0, embed_scale=3072**0.5).embed_scale.to(bf16)
+    assert model.model.embed_scale.dtype == bf16 and torch.equal(model.model.embed_scale, hf_scale)  # type: ignore[attr-defined]
+    assert hf_scale.item() == 55.5
