@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_exec.config import HIDDEN_ACTS
+from model_exec.layers.activation import ACT_AND_MUL, GeluTanhAndMul
 from model_exec.layers.norm import GemmaRMSNorm
 from model_exec.models import build_model
 from model_exec.models.gemma2 import GemmaOptions
@@ -118,3 +120,12 @@ def test_bfloat16_norms_and_embedding_scale_round_as_hf(gemma2_dir: str) -> None
     hf_scale = Gemma2TextScaledWordEmbedding(4, 3072, 0, embed_scale=3072**0.5).embed_scale.to(bf16)
     assert model.model.embed_scale.dtype == bf16 and torch.equal(model.model.embed_scale, hf_scale)  # type: ignore[attr-defined]
     assert hf_scale.item() == 55.5
+
+
+def test_gelu_tanh_gate_is_hfs() -> None:
+    from transformers.activations import ACT2FN
+
+    assert set(HIDDEN_ACTS) == set(ACT_AND_MUL)  # the torch-free config accepts what the layers implement
+    x = 3 * torch.randn(7, 2 * 96)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(GeluTanhAndMul()(x), ACT2FN["gelu_pytorch_tanh"](gate) * up)
