@@ -7,7 +7,8 @@ A model family is one file under `model_exec/models/` and one row here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,35 @@ class Architecture:
     class_name: str
     gguf_arch: str | None = None  # GGUF `general.architecture` that loads into it (None: safetensors only)
     notes: str = ""  # one line for README's table of models: the family's quirks raytp implements
+    # HF's config-class defaults for fields a config.json may omit (older checkpoints write fewer), where
+    # they differ from what `ModelConfig` assumes or are read by the model file from `ModelConfig.hf`;
+    # applied under config.json's own values. `sliding_window_pattern` n (without `layer_types`): every
+    # n-th layer attends in full, the others slide, as HF's Gemma 2/3 configs build `layer_types`.
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+# HF's Gemma2Config defaults (transformers 5.24)
+_GEMMA2_DEFAULTS: Mapping[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 2,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+}
+# HF's Gemma3TextConfig defaults: no soft-capping, every 6th layer global, global/local rope bases 1e6/1e4
+_GEMMA3_DEFAULTS: Mapping[str, Any] = {
+    **_GEMMA2_DEFAULTS,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
 
 
 # HF `architectures[0]` -> the implementation
@@ -29,6 +59,22 @@ ARCHITECTURES: Mapping[str, Architecture] = {
     ),
     "Qwen2ForCausalLM": Architecture(
         "qwen2", "model_exec.models.llama", "LlamaForCausalLM", "qwen2", "q/k/v biases; per-layer windows"
+    ),
+    "Gemma2ForCausalLM": Architecture(
+        "gemma2",
+        "model_exec.models.gemma2",
+        "Gemma2ForCausalLM",
+        None,
+        "sandwich norms, attention and final logit soft-capping, alternating local/global layers",
+        _GEMMA2_DEFAULTS,
+    ),
+    "Gemma3ForCausalLM": Architecture(
+        "gemma3_text",
+        "model_exec.models.gemma3",
+        "Gemma3ForCausalLM",
+        None,
+        "text only; q/k norms, 5 local : 1 global layers, per-layer-type rope",
+        _GEMMA3_DEFAULTS,
     ),
 }
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from model_exec.architectures import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES
@@ -22,8 +23,8 @@ ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _DTYPES = ("float32", "float16", "bfloat16")
-# activations model_exec.layers.activation implements (HF's names)
-HIDDEN_ACTS: tuple[str, ...] = ("silu",)
+# activations model_exec.layers.activation implements (HF's names; its ACT_AND_MUL has one class each)
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 # What `model_exec.models` implements (model_exec/architectures.py); checked here, torch-free, so an
 # unsupported model is refused by the controller before any worker starts.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
@@ -169,6 +170,10 @@ class ModelConfig:
         architecture = archs[0] if archs else ARCHITECTURE_BY_MODEL_TYPE.get(str(model_type))
         if architecture is None:
             raise ValueError(f"cannot tell the architecture of {model_type!r}: config lacks `architectures`")
+        defaults = ARCHITECTURES[architecture].config_defaults if architecture in ARCHITECTURES else {}
+        if not hasattr(hf_config, "to_dict"):
+            # a config.json as read: fill in what HF's config class would (a PretrainedConfig already has it)
+            hf_config = SimpleNamespace(**{**defaults, **vars(hf_config)})
         hidden_size = hf_config.hidden_size
         num_heads = hf_config.num_attention_heads
         max_pos = hf_config.max_position_embeddings
@@ -177,6 +182,8 @@ class ModelConfig:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = _as_id_tuple(getattr(hf_config, "eos_token_id", None)) + tuple(extra_eos_token_ids)
         num_layers = hf_config.num_hidden_layers
+        # Gemma's models read `hidden_activation` (their config.json may also carry a `hidden_act`)
+        hidden_act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu"
         return cls(
             architecture=architecture,
             vocab_size=hf_config.vocab_size,
@@ -198,19 +205,22 @@ class ModelConfig:
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_dtype_name(hf_config),
             layer_windows=_layer_windows(hf_config, num_layers),
-            hidden_act=str(getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu")),
-            hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else hf_config.to_dict(),
+            hidden_act=hidden_act,
+            hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else {**defaults, **hf_config.to_dict()},
         )
 
 
 def _layer_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer windows from `layer_types` (transformers writes it for Gemma 2/3, Qwen2/3 and others),
-    else the one `sliding_window` for every layer (Mistral, Mixtral, Phi-3). Qwen-style configs window
-    only with `use_sliding_window` (their `layer_types` already says which layers)."""
+    else from `sliding_window_pattern` n as HF's Gemma configs build `layer_types` (layer i is full iff
+    (i + 1) % n == 0), else the one `sliding_window` for every layer (Mistral, Mixtral, Phi-3).
+    Qwen-style configs window only with `use_sliding_window` (their `layer_types` already says which)."""
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return ()
-    layer_types = getattr(hf_config, "layer_types", None)
+    layer_types = hf_layer_types(
+        getattr(hf_config, "layer_types", None), getattr(hf_config, "sliding_window_pattern", None), num_layers
+    )
     if layer_types is None:  # older Qwen2 configs window only the layers from max_window_layers on
         first = int(getattr(hf_config, "max_window_layers", 0) or 0) if hasattr(hf_config, "use_sliding_window") else 0
         return tuple(int(window) if i >= first else None for i in range(num_layers))
@@ -218,6 +228,17 @@ def _layer_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
         raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")
     windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
     return windows if any(w is not None for w in windows) else ()
+
+
+def hf_layer_types(layer_types: Any, sliding_window_pattern: Any, num_layers: int) -> list[str] | None:
+    """config.json's `layer_types`, else the one HF's Gemma configs build from `sliding_window_pattern` n
+    (layer i is "full_attention" iff (i + 1) % n == 0, the others "sliding_attention"), else None."""
+    if layer_types is not None or sliding_window_pattern is None:
+        return layer_types
+    n = sliding_window_pattern
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"config.json: sliding_window_pattern must be a positive integer, got {n!r}")
+    return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(num_layers)]
 
 
 def _normalise_rope(hf_config: Any, max_pos: int) -> tuple[float, dict[str, Any] | None]:

@@ -1,6 +1,6 @@
 """Tensor-parallel building blocks of the models."""
 
-from model_exec.layers.activation import SiluAndMul
+from model_exec.layers.activation import GeluTanhAndMul, SiluAndMul
 from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_exec.layers.linear import (
     ColumnParallelLinear,
@@ -10,12 +10,14 @@ from model_exec.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from model_exec.layers.norm import RMSNorm
+from model_exec.layers.norm import GemmaRMSNorm, RMSNorm
 from model_exec.layers.rotary import RotaryEmbedding, compute_inv_freq
 
 __all__ = [
     "ColumnParallelLinear",
     "GateUpParallelLinear",
+    "GeluTanhAndMul",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

@@ -25,3 +25,24 @@ class SiluAndMul(nn.Module):
     def forward_torch(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2d] (gate | up) -> gelu_tanh(gate) * up, [..., d]: HF's `gelu_pytorch_tanh` gated MLP (Gemma).
+
+    torch's own tanh-approximated gelu, the op HF calls, so the results are HF's bit for bit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# HF `hidden_act` name -> the gated activation (model_exec.config.HIDDEN_ACTS lists the same names)
+ACT_AND_MUL: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+def act_and_mul(name: str) -> nn.Module:
+    """The gated activation HF calls `name`; ValueError for one not implemented."""
+    if name not in ACT_AND_MUL:
+        raise ValueError(f"unsupported hidden_act {name!r}; implemented: {', '.join(ACT_AND_MUL)}")
+    return ACT_AND_MUL[name]()

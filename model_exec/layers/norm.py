@@ -30,15 +30,20 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The vector the fused kernels multiply the normalised rows by."""
+        return self.weight
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        weight = self.kernel_weight()
         if residual is None:
-            if fused.applies(x, self.weight):
-                return fused.rms_norm(x, self.weight, self.eps)
+            if fused.applies(x, weight):
+                return fused.rms_norm(x, weight, self.eps)
             return self._norm(x)
-        if fused.applies(x, residual, self.weight):
-            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if fused.applies(x, residual, weight):
+            return fused.fused_add_rms_norm(x, residual, weight, self.eps)
         return self.forward_torch(x, residual)
 
     def forward_torch(
@@ -49,3 +54,37 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, cast back at the end (HF's
+    Gemma2RMSNorm/Gemma3RMSNorm; Llama's casts before the multiply instead).
+
+    The parameter holds the checkpoint's `weight` in the model's dtype; loading it also computes the
+    float32 `scale` = 1 + weight that every forward multiplies by, the value HF computes per call, so
+    the fused float32 kernels (which take any weight vector) serve it unchanged.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, eps, params_dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.scale: torch.Tensor
+        self.register_buffer("scale", torch.ones(hidden_size, dtype=torch.float32), persistent=False)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if loaded_weight.shape != param.shape:
+            raise ValueError(
+                f"checkpoint norm has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}"
+            )
+        param.data.copy_(loaded_weight)
+        self.scale.copy_(1.0 + param.data.float())  # from the parameter: the rounding HF's forward sees
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.scale).to(x.dtype)
+
+    def kernel_weight(self) -> torch.Tensor:
+        return self.scale

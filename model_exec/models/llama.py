@@ -81,6 +81,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"{config.architecture}: hidden_act {config.hidden_act!r} is not implemented (silu only)")
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_up_proj = GateUpParallelLinear(hidden, inter, bias, tp, config.torch_dtype)
         self.down_proj = RowParallelLinear(inter, hidden, bias, tp, config.torch_dtype)

@@ -98,9 +98,14 @@ def assert_gloo_tp_matches_hf(model_dir: str, world_size: int, tmp_path: Path, a
     assert_logits_match(torch.load(out), hf_prefill_logits(hf_model(model_dir), PREFILL_PROMPTS), atol)
 
 
-@torch.inference_mode()
 def hf_greedy_with_logprobs(model_dir: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     """HF's greedy continuation (EOS ignored) and the log-probability of each chosen token."""
+    return _hf_greedy_with_logprobs(model_dir, tuple(prompt))
+
+
+@functools.lru_cache(maxsize=16)  # a family's TP 1 and TP 2 engine tests compare with the same references
+@torch.inference_mode()
+def _hf_greedy_with_logprobs(model_dir: str, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
     model = hf_model(model_dir)
     inp = torch.tensor([prompt])
     gen = model.generate(

@@ -129,9 +129,10 @@ def make_tiny_model(path: str | os.PathLike[str], config: Any, seed: int = 0) ->
 def _make(path: Path, config: Any, seed: int) -> str:
     from transformers import AutoModelForCausalLM
 
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float().eval()
+    # the class transformers picked (Gemma3TextConfig's model is Gemma3ForCausalLM)
+    model.config.architectures = [type(model).__name__]
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name == "model.norm.weight":  # x3 spreads the logits: wide greedy margins
