@@ -68,6 +68,11 @@ class FusedMoE(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        if intermediate_size % tp.world_size:
+            raise ValueError(
+                f"the experts' intermediate size {intermediate_size} is not divisible by "
+                f"tensor_parallel_size={tp.world_size}"
+            )
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size

@@ -80,3 +80,5 @@ def test_loader_refuses_bad_shards() -> None:
         moe.weight_loader(moe.gate_up_proj, torch.zeros(INTER, H + 1), (0, "up"))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         FusedMoE(E, E + 1, H, INTER, True, TPGroup.single())
+    with pytest.raises(ValueError, match="intermediate size 48 is not divisible by tensor_parallel_size=5"):
+        FusedMoE(E, TOP_K, H, INTER, True, TPGroup(0, 5))
