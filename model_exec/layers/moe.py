@@ -13,13 +13,16 @@ tensors loads as is):
 
 The forward groups tokens by expert (one stable sort of the T * top_k choices) and runs one GEMM pair
 per expert that received tokens, over that expert's rows only: the Python loop is over experts, never
-tokens. A padded batched matmul (`torch.bmm` over [E, max_rows, H]) was measured against it
-(`python -m benchmarks.moe_layer`): it reads every expert's weights even when only top_k of them have
-rows (a decode step) and pays for padding when the load is uneven, so it loses at every size measured.
+tokens. A padded batched matmul (the rows padded per expert into [E, max_rows, H], `torch.bmm` over
+all experts) was measured against the same loop with F.linear (`python -m benchmarks.moe_layer
+--threads 1`, Mixtral-like shapes, min ms at 1 / 16 / 256 tokens): loop 8.0 / 97 / 325, bmm 34 / 95 /
+363. bmm reads every expert's weights even when only top_k have rows (a decode step) and pays for the
+padding when the load is uneven; it ties at best, so the loop stays.
 
 On the CPU in fp32, `pack_weights` moves each expert into raytp's 16-wide panels (`cpu_gemm`), as the
 dense layers do: the gate/up product and SiLU-and-mul run as one kernel, and a row's result does not
-depend on which other rows share its expert (the panel kernel's per-row FMA order).
+depend on which other rows share its expert (the panel kernel's per-row FMA order). Same benchmark:
+2.2 / 17.5 / 123 ms, against transformers' default (grouped_mm) 7.7 / 97 / 316.
 """
 
 from __future__ import annotations

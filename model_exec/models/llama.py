@@ -3,7 +3,8 @@
 Differences between the family members are config fields, not subclasses:
 qkv_bias (Qwen2), o_bias (Llama `attention_bias`), tied embeddings (SmolLM2),
 rope scaling (Llama 3.x), per-layer sliding windows (Mistral, Qwen2).
-Every layer is built at its per-rank shard shape.
+Every layer is built at its per-rank shard shape. A family whose layers differ from Llama's only in
+their attention or MLP subclasses LlamaForCausalLM and overrides `make_layer` (mixtral.py, qwen_moe.py).
 """
 
 from __future__ import annotations

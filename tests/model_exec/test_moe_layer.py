@@ -82,3 +82,17 @@ def test_loader_refuses_bad_shards() -> None:
         FusedMoE(E, E + 1, H, INTER, True, TPGroup.single())
     with pytest.raises(ValueError, match="intermediate size 48 is not divisible by tensor_parallel_size=5"):
         FusedMoE(E, TOP_K, H, INTER, True, TPGroup(0, 5))
+
+
+def test_packed_rows_do_not_depend_on_their_batch() -> None:
+    """With panels, a token's output is bitwise the same alone or among others (batch jobs' byte-identical
+    re-runs rely on it for the dense layers; the experts keep it)."""
+    g = torch.Generator().manual_seed(1)
+    moe = FusedMoE(E, TOP_K, H, 64, True, TPGroup.single(), torch.float32)
+    load(moe, *(torch.randn(E, 64, H, generator=g) for _ in range(2)), torch.randn(E, H, 64, generator=g))
+    if not moe.pack_weights():
+        pytest.skip("the panel kernel is not available here")
+    x, logits = torch.randn(24, H, generator=g), torch.randn(24, E, generator=g)
+    batched = moe(x, logits)
+    for t in (0, 7, 23):
+        assert torch.equal(moe(x[t : t + 1], logits[t : t + 1])[0], batched[t])
