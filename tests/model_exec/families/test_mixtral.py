@@ -3,12 +3,17 @@ engine at TP 1 and over Ray at TP 2; a checkpoint with transformers 5's stacked 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model_exec.models import build_model
+from model_exec.parallel import TPGroup
+from model_exec.source import read_model_config, resolve_model
+from ops.attention import get_attn_backend
 from tests.helpers.family_parity import (
     PREFILL_PROMPTS,
     assert_engine_matches_hf,
@@ -71,6 +76,21 @@ def test_stacked_expert_checkpoint_loads(model_dir: str, tmp_path: Path) -> None
     net, config = load_our_model(str(copy))
     ours = our_prefill_logits(net, config, PREFILL_PROMPTS)
     assert_logits_match(ours, hf_prefill_logits(hf_model(model_dir), PREFILL_PROMPTS))
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"num_experts_per_tok": None}, "num_experts_per_tok is required"),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be in \[1, num_experts=4\]"),
+        ({"num_local_experts": "4"}, "num_local_experts must be a positive integer"),
+    ],
+)
+def test_bad_moe_fields_are_named(model_dir: str, change: dict[str, object], error: str) -> None:
+    config = read_model_config(resolve_model(model_dir))
+    config = replace(config, hf={**config.hf, **change})
+    with pytest.raises(ValueError, match=error):
+        build_model(config, TPGroup.single(), get_attn_backend("torch", "cpu"), "meta")
 
 
 def test_engine_matches_hf(model_dir: str) -> None:

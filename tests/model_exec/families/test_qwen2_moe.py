@@ -4,8 +4,13 @@ over Ray at TP 2."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
+from model_exec.config import ModelConfig
 from tests.helpers.family_parity import assert_engine_matches_hf, assert_prefill_matches_hf
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -41,6 +46,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_prefill_matches_hf(model_dir: str) -> None:
     assert_prefill_matches_hf(model_dir, (1, 2, 4))
+
+
+def test_qkv_bias_defaults_on(model_dir: str) -> None:
+    """Published Qwen1.5-MoE configs do not write `qkv_bias`; HF's default (on) applies."""
+    raw = json.loads(Path(model_dir, "config.json").read_text())
+    assert raw.pop("qkv_bias") is True
+    config = ModelConfig.from_hf_config(SimpleNamespace(**raw))
+    assert config.qkv_bias and not config.o_bias
+    assert not ModelConfig.from_hf_config(SimpleNamespace(**raw, qkv_bias=False)).qkv_bias
 
 
 def test_engine_matches_hf(model_dir: str) -> None:
