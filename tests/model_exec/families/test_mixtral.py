@@ -94,9 +94,9 @@ def test_bad_moe_fields_are_named(model_dir: str, change: dict[str, object], err
 
 
 def test_engine_matches_hf(model_dir: str) -> None:
-    assert_engine_matches_hf(model_dir, num_gpu_blocks_override=128)
+    assert_engine_matches_hf(model_dir)
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_engine_tp2_over_ray_matches_hf(model_dir: str) -> None:
-    assert_engine_matches_hf(model_dir, tensor_parallel_size=2, num_gpu_blocks_override=128)
+    assert_engine_matches_hf(model_dir, tensor_parallel_size=2)

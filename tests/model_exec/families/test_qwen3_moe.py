@@ -42,9 +42,9 @@ def test_prefill_matches_hf(model_dir: str) -> None:
 
 
 def test_engine_matches_hf(model_dir: str) -> None:
-    assert_engine_matches_hf(model_dir, num_gpu_blocks_override=128)
+    assert_engine_matches_hf(model_dir)
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_engine_tp2_over_ray_matches_hf(model_dir: str) -> None:
-    assert_engine_matches_hf(model_dir, tensor_parallel_size=2, num_gpu_blocks_override=128)
+    assert_engine_matches_hf(model_dir, tensor_parallel_size=2)
