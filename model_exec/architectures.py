@@ -76,6 +76,19 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         "text only; q/k norms, 5 local : 1 global layers, per-layer-type rope",
         _GEMMA3_DEFAULTS,
     ),
+    # GGUF for the MoE families is wired separately (their experts load from stacked GGUF tensors)
+    "MixtralForCausalLM": Architecture(
+        "mixtral", "model_exec.models.mixtral", "MixtralForCausalLM", None,
+        "sparse MoE, top-k renormalised; experts sharded over TP",
+    ),
+    "Qwen2MoeForCausalLM": Architecture(
+        "qwen2_moe", "model_exec.models.qwen_moe", "Qwen2MoeForCausalLM", None,
+        "sparse MoE + sigmoid-gated shared expert; q/k/v biases; mlp_only_layers",
+    ),
+    "Qwen3MoeForCausalLM": Architecture(
+        "qwen3_moe", "model_exec.models.qwen_moe", "Qwen3MoeForCausalLM", None,
+        "sparse MoE (norm_topk_prob); per-head q/k RMSNorm",
+    ),
 }
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
 ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}

@@ -178,7 +178,8 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         max_pos = hf_config.max_position_embeddings
         rope_theta, rope_scaling = _normalise_rope(hf_config, max_pos)
-        is_qwen2 = model_type == "qwen2" or architecture == "Qwen2ForCausalLM"
+        # Qwen2's attention: q/k/v biases (Qwen2-MoE's `qkv_bias`, default on), none on the output
+        is_qwen2 = model_type in ("qwen2", "qwen2_moe") or architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = _as_id_tuple(getattr(hf_config, "eos_token_id", None)) + tuple(extra_eos_token_ids)
         num_layers = hf_config.num_hidden_layers
@@ -198,7 +199,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen2 else attention_bias,
+            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if is_qwen2 else attention_bias,
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             eos_token_ids=tuple(dict.fromkeys(eos)),
@@ -208,6 +209,18 @@ class ModelConfig:
             hidden_act=hidden_act,
             hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else {**defaults, **hf_config.to_dict()},
         )
+
+
+def hf_int(hf: Mapping[str, Any], *names: str) -> int:
+    """A per-family field of config.json (`ModelConfig.hf`): the first of `names` it sets (aliases across
+    transformers versions), as a positive integer; ValueError naming the field otherwise."""
+    for name in names:
+        value = hf.get(name)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+            return value
+    raise ValueError(f"config.json: {' or '.join(names)} is required for {hf.get('model_type', 'this model')!r}")
 
 
 def _layer_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:

@@ -241,7 +241,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X W^T with W's columns (input features) split; partial sums all-reduced.
 
-    The bias is added once, after the reduce, so it is not counted world_size times.
+    The bias is added once, after the reduce, so it is not counted world_size times. With
+    `reduce_results=False` the layer returns this rank's partial sum and the caller reduces it together
+    with others (a MoE layer's shared expert and routed experts: one all-reduce); it then has no bias.
     """
 
     def __init__(
@@ -251,8 +253,12 @@ class RowParallelLinear(LinearBase):
         bias: bool,
         tp: TPGroup,
         params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
     ) -> None:
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel layer that leaves its all-reduce to the caller cannot add a bias")
         super().__init__(divide(input_size, tp.world_size), output_size, bias, tp, params_dtype)
+        self.reduce_results = reduce_results
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -264,5 +270,8 @@ class RowParallelLinear(LinearBase):
         copy_shard(param.data, shard_of(loaded_weight, 1, size, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._matmul(x, None))
+        y = self._matmul(x, None)
+        if not self.reduce_results:
+            return y
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -77,5 +77,7 @@ def pack_weights(model: CausalLM, panels: bool = True) -> int:
     afterwards."""
     from model_exec.layers.embedding import ParallelLMHead
     from model_exec.layers.linear import LinearBase
+    from model_exec.layers.moe import FusedMoE
 
-    return sum(1 for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.pack_weights(panels))
+    packable = LinearBase | ParallelLMHead | FusedMoE
+    return sum(1 for m in model.modules() if isinstance(m, packable) and m.pack_weights(panels))

@@ -3,11 +3,13 @@
 Differences between the family members are config fields, not subclasses:
 qkv_bias (Qwen2), o_bias (Llama `attention_bias`), tied embeddings (SmolLM2),
 rope scaling (Llama 3.x), per-layer sliding windows (Mistral, Qwen2).
-Every layer is built at its per-rank shard shape.
+Every layer is built at its per-rank shard shape. A family whose layers differ from Llama's only in
+their attention or MLP subclasses LlamaForCausalLM and overrides `make_layer` (mixtral.py, qwen_moe.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -99,10 +101,14 @@ class LlamaDecoderLayer(nn.Module):
         attn_backend: type[AttentionBackend],
         rotary: RotaryEmbedding,
         layer: int,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`self_attn` and `mlp` replace Llama's own (a family whose layers differ only there, e.g. MoE):
+        modules with LlamaAttention's forward(rope, hidden, kv_cache, meta) and LlamaMLP's forward(x)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, attn_backend, rotary, layer)
-        self.mlp = LlamaMLP(config, tp)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config, tp, attn_backend, rotary, layer)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
@@ -125,8 +131,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+# builds decoder layer `layer`: (config, tp, attn_backend, rotary, layer) -> module with LlamaDecoderLayer's forward
+LayerFactory = Callable[[ModelConfig, TPGroup, type[AttentionBackend], RotaryEmbedding, int], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        attn_backend: type[AttentionBackend],
+        make_layer: LayerFactory = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, config.torch_dtype
@@ -135,7 +151,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, attn_backend, self.rotary_emb, i) for i in range(config.num_hidden_layers)
+            make_layer(config, tp, attn_backend, self.rotary_emb, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
@@ -172,9 +188,20 @@ class LlamaForCausalLM(CheckpointLoader):
         config.check_tp(tp.world_size)
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, tp, attn_backend)
+        self.model = LlamaModel(config, tp, attn_backend, self.make_layer)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.torch_dtype, tied)
+
+    def make_layer(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        attn_backend: type[AttentionBackend],
+        rotary: RotaryEmbedding,
+        layer: int,
+    ) -> nn.Module:
+        """Decoder layer `layer`; a family that differs from Llama only inside its layers overrides this."""
+        return LlamaDecoderLayer(config, tp, attn_backend, rotary, layer)
 
     def forward(
         self,

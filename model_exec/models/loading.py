@@ -7,7 +7,8 @@ tensors stream through here one at a time and each parameter's `weight_loader` c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
@@ -15,7 +16,9 @@ from torch import nn
 
 from model_exec.layers.linear import default_weight_loader
 
-ShardId = str | int | None
+# what a parameter's weight_loader is told a checkpoint tensor is: a packed part ("q", 0, ...), an
+# (expert, "gate" | "up" | "down") of stacked expert weights, or None for the whole tensor
+ShardId = str | int | tuple[int, str] | None
 
 
 class CheckpointLoader(nn.Module):
@@ -70,3 +73,58 @@ class CheckpointLoader(nn.Module):
         missing = sorted(n for n in params if len(loaded[n]) < self.shards_expected(n))
         if missing:
             raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+# one expert's matrix in a checkpoint: "<...>.experts.<e>.<w1|w2|w3|gate_proj|up_proj|down_proj>.weight"
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+# checkpoint name -> part of a gated expert: Mixtral's w1/w3/w2, Qwen MoE's (and transformers 5's) names
+_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+class ExpertCheckpointLoader(CheckpointLoader):
+    """CheckpointLoader for models with `layers.moe.FusedMoE` experts (parameters `<...>.experts.gate_up_proj`
+    and `<...>.experts.down_proj`, stacked over experts).
+
+    Checkpoints hold either one tensor per expert and projection (published Mixtral and Qwen MoE
+    checkpoints, and what transformers 5.24's save_pretrained writes), or transformers 5's in-memory
+    stacked tensors `experts.gate_up_proj` [E, 2I, H] ([gate; up] per expert) and `experts.down_proj`
+    [E, H, I]; the stacked ones are split into per-expert views on the way in, so one path loads both.
+    """
+
+    def checkpoint_param(self, ckpt_name: str) -> tuple[str, ShardId] | None:
+        m = _EXPERT_TENSOR.match(ckpt_name)
+        if m is not None and m["part"] in _EXPERT_PARTS:
+            part = _EXPERT_PARTS[m["part"]]
+            param = "down_proj" if part == "down" else "gate_up_proj"
+            return f"{m['experts']}.{param}", (int(m["expert"]), part)
+        return super().checkpoint_param(ckpt_name)
+
+    def shards_expected(self, param_name: str) -> int:
+        if param_name.endswith(".experts.gate_up_proj"):
+            return 2 * self.get_parameter(param_name).shape[0]
+        if param_name.endswith(".experts.down_proj"):
+            return self.get_parameter(param_name).shape[0]
+        return super().shards_expected(param_name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with stacked expert tensors replaced by per-expert views (no copies)."""
+    for name, tensor in weights:
+        experts, _, stacked = name.rpartition(".")
+        if not experts.endswith(".experts") or stacked not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+            continue
+        if tensor.dim() != 3:
+            raise ValueError(f"stacked expert tensor {name!r} has shape {tuple(tensor.shape)}, expected 3 dims")
+        for e, matrix in enumerate(tensor.unbind(0)):
+            if stacked == "down_proj":
+                yield f"{experts}.{e}.down_proj.weight", matrix
+                continue
+            if matrix.shape[0] % 2:
+                raise ValueError(f"stacked expert tensor {name!r} has an odd gate/up dimension {matrix.shape[0]}")
+            gate, up = matrix.chunk(2, dim=0)
+            yield f"{experts}.{e}.gate_proj.weight", gate
+            yield f"{experts}.{e}.up_proj.weight", up

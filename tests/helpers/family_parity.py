@@ -32,8 +32,11 @@ MAX_NEW = 64
 PREFILL_PROMPTS = [[5, 17, 33, 2, 101, 250, 7], [42], [3 + (7 * i) % 250 for i in range(13)], list(range(60, 105))]
 ENGINE_PROMPTS = [list(range(10, 80)), [3 + (11 * i) % 250 for i in range(37)], [42, 7, 99]]
 # the engine's settings for parity: small blocks and a small step budget, so the longer prompts prefill in
-# chunks over their own cached context; prefix caching on
-ENGINE_KWARGS: dict[str, Any] = dict(block_size=8, max_num_batched_tokens=32, enable_prefix_caching=True)
+# chunks over their own cached context; prefix caching on; a small KV pool (the CPU default sizes it from
+# free memory, up to GiBs per rank) so TP workers stay light on a shared 2-core test machine
+ENGINE_KWARGS: dict[str, Any] = dict(
+    block_size=8, max_num_batched_tokens=32, enable_prefix_caching=True, num_gpu_blocks_override=128
+)
 
 
 @functools.lru_cache(maxsize=4)
