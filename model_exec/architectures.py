@@ -76,17 +76,18 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         "text only; q/k norms, 5 local : 1 global layers, per-layer-type rope",
         _GEMMA3_DEFAULTS,
     ),
-    # GGUF for the MoE families is wired separately (their experts load from stacked GGUF tensors)
+    # GGUF: llama.cpp writes Mixtral as a `llama` file with experts, which transformers' GGUF config reader
+    # reads as a dense Llama; the Qwen MoE files' stacked experts split into per-expert tensors on load
     "MixtralForCausalLM": Architecture(
         "mixtral", "model_exec.models.mixtral", "MixtralForCausalLM", None,
         "sparse MoE, top-k renormalised; experts sharded over TP",
     ),
     "Qwen2MoeForCausalLM": Architecture(
-        "qwen2_moe", "model_exec.models.qwen_moe", "Qwen2MoeForCausalLM", None,
+        "qwen2_moe", "model_exec.models.qwen_moe", "Qwen2MoeForCausalLM", "qwen2moe",
         "sparse MoE + sigmoid-gated shared expert; q/k/v biases; mlp_only_layers",
     ),
     "Qwen3MoeForCausalLM": Architecture(
-        "qwen3_moe", "model_exec.models.qwen_moe", "Qwen3MoeForCausalLM", None,
+        "qwen3_moe", "model_exec.models.qwen_moe", "Qwen3MoeForCausalLM", "qwen3moe",
         "sparse MoE (norm_topk_prob); per-head q/k RMSNorm",
     ),
 }
