@@ -76,10 +76,10 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         "text only; q/k norms, 5 local : 1 global layers, per-layer-type rope",
         _GEMMA3_DEFAULTS,
     ),
-    # GGUF: llama.cpp writes Mixtral as a `llama` file with experts, which transformers' GGUF config reader
-    # reads as a dense Llama; the Qwen MoE files' stacked experts split into per-expert tensors on load
+    # GGUF: llama.cpp writes Mixtral as a `llama` file with experts (model_exec/gguf_metadata.py tells them
+    # apart); the MoE files' stacked experts split into per-expert tensors on load
     "MixtralForCausalLM": Architecture(
-        "mixtral", "model_exec.models.mixtral", "MixtralForCausalLM", None,
+        "mixtral", "model_exec.models.mixtral", "MixtralForCausalLM", "llama",
         "sparse MoE, top-k renormalised; experts sharded over TP",
     ),
     "Qwen2MoeForCausalLM": Architecture(

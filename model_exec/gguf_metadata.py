@@ -4,8 +4,8 @@ the model's generation_config.json; `model_exec.generation_config` reads them ba
 EOM token ids (all of them end generation, as in llama.cpp).
 
 transformers' GGUF config reader leaves out keys that llama.cpp writes and the families need (Qwen3's
-head_dim, the MoE expert widths, Gemma 2's soft-caps): those fields would keep the config class's
-defaults, wrong for most models. `_EXTRA_CONFIG_KEYS` fills them from the file.
+head_dim, the MoE expert widths, Gemma 2's soft-caps, Mixtral's experts): those fields would keep the
+config class's defaults, wrong for most models. `complete_config` fills them from the file.
 
 Run by `model_exec.source.gguf_metadata_dir` in a child process, because transformers' GGUF reader
 imports torch and the control plane must not. Writes into a temporary sibling of TARGET_DIR and
@@ -42,16 +42,27 @@ _EXTRA_CONFIG_KEYS = {
 }
 
 
-def complete_config(config: Any, gguf_file: Path) -> None:
-    """Set the fields of `config` (a transformers config read from `gguf_file`) that transformers' reader
-    leaves at their defaults although the file holds them; only fields the config class has."""
+def complete_config(config: Any, gguf_file: Path) -> Any:
+    """`config` (a transformers config read from `gguf_file`) with what transformers' reader leaves out
+    although the file holds it: the fields of `_EXTRA_CONFIG_KEYS` the config class has, and Mixtral,
+    which llama.cpp writes as a `llama` file with experts and the reader takes for a dense Llama."""
     from gguf import GGUFReader
 
     fields = GGUFReader(gguf_file).fields
     arch = str(fields["general.architecture"].contents())
+    if arch == "llama" and "llama.expert_count" in fields:
+        from transformers import MixtralConfig
+
+        own = set(MixtralConfig().to_dict()) - {"model_type", "architectures", "transformers_version"}
+        config = MixtralConfig(
+            **{k: v for k, v in config.to_dict().items() if k in own},
+            num_local_experts=int(fields["llama.expert_count"].contents()),
+            num_experts_per_tok=int(fields["llama.expert_used_count"].contents()),
+        )
     for key, name in _EXTRA_CONFIG_KEYS.items():
         if f"{arch}.{key}" in fields and hasattr(config, name):
             setattr(config, name, fields[f"{arch}.{key}"].contents())
+    return config
 
 
 # end-of-generation token ids: llama.cpp stops at each (Llama 3's <|eot_id|> and <|eom_id|> besides EOS)
@@ -77,8 +88,7 @@ def convert(gguf_file: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        complete_config(config, gguf_file)
+        config = complete_config(AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name), gguf_file)
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(tmp)
         gen = generation_config(gguf_file)

@@ -22,6 +22,7 @@ from tests.helpers.tiny_models import BOS_ID, CHAT_TEMPLATE, EOS_ID
 GGUF_ARCH = {
     "llama": "llama",
     "mistral": "llama",
+    "mixtral": "llama",  # llama.cpp writes Mixtral as llama with experts
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma2": "gemma2",

@@ -11,6 +11,7 @@ llama.cpp converts them (tests/helpers/tiny_gguf.py), read back through the gguf
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ def _config(model_type: str) -> Any:
 
     build: dict[str, Callable[[], Any]] = {
         "mistral": lambda: tf.MistralConfig(**_COMMON),
+        "mixtral": lambda: tf.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen3": lambda: tf.Qwen3Config(**_COMMON, head_dim=16),
         # soft-caps other than the defaults: GGUF carries them in keys transformers' reader skips
         "gemma2": lambda: tf.Gemma2Config(
@@ -74,7 +76,7 @@ def _hf_dir(tmp: Path, model_type: str) -> str:
 def test_gguf_tensors_come_back_as_the_checkpoints(model_type: str, tmp_path: Path) -> None:
     hf_dir = _hf_dir(tmp_path, model_type)
     gguf_dir = Path(write_tiny_gguf(hf_dir, tmp_path / "gguf"))
-    checkpoint = load_file(str(Path(hf_dir, "model.safetensors")))
+    checkpoint = {_as_in_memory(k): v for k, v in load_file(str(Path(hf_dir, "model.safetensors"))).items()}
     if _config_tied(hf_dir):
         checkpoint.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for tied embeddings
     seen = {}
@@ -83,6 +85,16 @@ def test_gguf_tensors_come_back_as_the_checkpoints(model_type: str, tmp_path: Pa
         torch.testing.assert_close(tensor, checkpoint[name], rtol=0, atol=1e-6, msg=name)
         seen[name] = tensor
     assert set(seen) == set(checkpoint)
+
+
+# Mixtral checkpoints say `block_sparse_moe` and w1/w3/w2 where transformers 5 (and so a GGUF read back through
+# its names) says `mlp` and gate/up/down_proj; raytp's Mixtral loads both
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _as_in_memory(name: str) -> str:
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"\.experts\.(\d+)\.(w[123])\.", lambda m: f".experts.{m[1]}.{_MIXTRAL_PARTS[m[2]]}.", name)
 
 
 def _config_tied(hf_dir: str) -> bool:
@@ -94,7 +106,9 @@ _NOT_IN_GGUF = {"_name_or_path", "architectures", "initializer_range", "transfor
 
 
 @pytest.mark.slow  # one transformers GGUF read (a child process) per architecture
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3", "gemma2", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe", "mixtral"]
+)
 def test_gguf_config_equals_the_hf_config(model_type: str, tmp_path: Path) -> None:
     """The config raytp derives from a GGUF (transformers' reader, completed from the keys it skips: head_dim,
     expert widths, soft-caps) is the HF model's own."""
@@ -103,6 +117,8 @@ def test_gguf_config_equals_the_hf_config(model_type: str, tmp_path: Path) -> No
         Path(resolve_model(write_tiny_gguf(hf_dir, tmp_path / "gguf")).metadata_dir, "config.json").read_text()
     )
     original = json.loads(Path(hf_dir, "config.json").read_text())
+    if original.get("head_dim") is None:  # None means hidden_size / heads, which GGUF spells out
+        original["head_dim"] = original["hidden_size"] // original["num_attention_heads"]
     assert derived["rms_norm_eps"] == pytest.approx(original.pop("rms_norm_eps"), rel=1e-6)  # stored as float32
     assert {k: v for k, v in original.items() if k not in _NOT_IN_GGUF} == {
         k: derived.get(k) for k in original if k not in _NOT_IN_GGUF
