@@ -144,6 +144,14 @@ class ModelConfig:
         return "default" if self.rope_scaling is None else str(self.rope_scaling["rope_type"])
 
     @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, times `factor` under dynamic NTK
+        rope, whose base rescales for exactly the lengths past it (vLLM's limit; HF sets none)."""
+        if self.rope_scaling is not None and self.rope_type == "dynamic":
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def rotary_dim(self) -> int:
         """How many features of each head rope rotates (HF: int(head_dim * partial_rotary_factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
