@@ -209,3 +209,35 @@ def test_dynamic_rope_lifts_the_context_limit_by_its_factor() -> None:
     assert resolve_config(EngineConfig(device="cpu"), yarn).max_model_len == 64
     with pytest.raises(ValueError, match=r"larger than the model's context limit \(160"):
         resolve_config(EngineConfig(device="cpu", max_model_len=161), dynamic)
+
+
+@pytest.mark.parametrize(("kind", "first", "total"), [("longrope", 10, 16), ("dynamic", 12, 20)])
+def test_a_step_that_crosses_the_threshold_matches_hf_with_its_cache(
+    kind: str, first: int, total: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two steps, as a generation crossing the threshold makes them: the first at or below it (short
+    factors, unscaled base), the second past it. HF's next forward over its KV cache keeps the keys it
+    cached and rotates the new tokens for the new length; raytp's per-step rule does the same."""
+    if kind == "longrope":
+        scaling = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}
+        scaling["original_max_position_embeddings"] = 10
+        max_pos = 64
+    else:
+        scaling, max_pos = {"rope_type": "dynamic", "factor": 2.0}, 16
+    path = make_tiny_llama(
+        tmp_path_factory.mktemp(f"{kind}-cross"),
+        head_dim=HEAD_DIM,
+        max_position_embeddings=max_pos,
+        rope_scaling=scaling,
+    )
+    prompt = PREFILL_PROMPTS[3][:total]
+    model = hf_model(path)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        head = model(ids[:, :first], use_cache=True)
+        tail = model(ids[:, first:], past_key_values=head.past_key_values)
+    ref = torch.cat([head.logits[0], tail.logits[0]]).float()
+    net, config = load_our_model(path)
+    assert_logits_match(our_prefill_logits(net, config, [prompt], first_chunk=first), [ref])
+    # and it is not what one forward over the whole sequence gives (the cached keys differ)
+    assert not torch.allclose(hf_prefill_logits(model, [prompt])[0][first:], ref[first:], atol=1e-3)
