@@ -15,7 +15,9 @@ exceeds `max_position_embeddings`. raytp applies the same rule per sequence and 
 tokens of row i use seq_len = meta.seq_lens[i] (that row's length after the step, which is HF's
 max(position_ids) + 1 for that sequence's own forward), and a token's key keeps in the KV cache the
 rotation it was computed with, as HF's cache does. That equals HF for any sequence that stays on one
-side of the threshold, and for prompts beyond it prefilled in one step. It differs where HF has no
+side of the threshold, for prompts beyond it prefilled in one step, and for a generation that grows
+past it (HF's next cached forward rotates the new tokens for the new length and keeps the cached
+keys, as raytp's next step does; tests/model_exec/families/test_rope_scaling.py). It differs where HF has no
 counterpart or does something else: a prompt beyond the threshold prefilled in chunks rotates the
 chunks that end at or below it with the short (longrope) or unscaled (dynamic) frequencies, a prefix
 cache hit reuses keys rotated for another length, and HF's Phi3ForCausalLM alone drops its cache
@@ -26,7 +28,9 @@ length: consistent keys, but unlike HF for every sequence below the threshold. r
 because HF is the correctness reference and the per-step rule needs no recomputation; HF's dynamic
 rope is also stateful across calls (it keeps a grown base until a call shorter than
 max_position_embeddings resets it), which raytp does not copy: each sequence is rotated as HF
-rotates it in a fresh model.
+rotates it in a fresh model. Dynamic rope exists for lengths past max_position_embeddings, so it lifts
+the engine's context limit to max_position_embeddings x factor (`ModelConfig.max_context_len`, vLLM's
+limit); the cache holds the unscaled angles and longer rows get theirs computed per step.
 
 A model looks its step's angles up once (`angles`), and every layer applies them (`rotate_owned`)
 to its queries and keys together, as one [T, q_heads + kv_heads, head_dim] view of the fused
@@ -247,7 +251,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin, each [T, rotary_dim // 2]; `seq_lens` [T]: each token's sequence length
-        for this step (required by the length-dependent types, ignored by no other: they refuse it)."""
+        after this step (HF's seq_len; the length-dependent types need it, the others refuse it)."""
         if not self.length_dependent:
             if seq_lens is not None:
                 raise ValueError(f"rope type {self.rope_type!r} does not depend on the sequence length")
