@@ -255,12 +255,14 @@ class RotaryEmbedding(nn.Module):
         if not self.length_dependent:
             if seq_lens is not None:
                 raise ValueError(f"rope type {self.rope_type!r} does not depend on the sequence length")
-            return self.cos_sin_cache[positions].chunk(2, dim=-1)
+            cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+            return cos, sin
         if seq_lens is None:
             raise ValueError(f"rope type {self.rope_type!r} needs each token's sequence length")
         long = seq_lens > self.long_threshold
         if self.rope_type == "longrope":
-            return self.cos_sin_cache[positions + long * self.max_position_embeddings].chunk(2, dim=-1)
+            cos, sin = self.cos_sin_cache[positions + long * self.max_position_embeddings].chunk(2, dim=-1)
+            return cos, sin
         # dynamic: rows past max_position_embeddings get their own base, computed here (positions there lie
         # beyond the cache, which holds the unscaled frequencies for every shorter row)
         cached = torch.where(long, 0, positions)
@@ -269,7 +271,8 @@ class RotaryEmbedding(nn.Module):
             for length in torch.unique(seq_lens[long]).tolist():
                 at = seq_lens == length
                 table[at] = _cos_sin(positions[at], *self._parameters_at(int(length))).to(table.device)
-        return table.chunk(2, dim=-1)
+        cos, sin = table.chunk(2, dim=-1)
+        return cos, sin
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata | None = None) -> RopeAngles:
         """The step's angles; `meta` (the step's rows) is needed by the length-dependent types only."""

@@ -10,8 +10,8 @@ cuts its own shard.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -74,7 +74,10 @@ class CheckpointLoader(nn.Module):
             if param is None:
                 arch = getattr(getattr(self, "config", None), "architecture", type(self).__name__)
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of {arch}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
+            # a layer's own loader takes its shard ids (experts: (expert, part)); replicated ones take none
+            loader: Callable[[nn.Parameter, torch.Tensor, Any], None] = getattr(
+                param, "weight_loader", default_weight_loader
+            )
             loader(param, tensor, shard_id)
             loaded[param_name].add(shard_id)
         missing = sorted(n for n in params if len(loaded[n]) < self.shards_expected(n))
