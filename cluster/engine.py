@@ -54,12 +54,12 @@ class EngineDeadError(RuntimeError):
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
     """Decide the knobs whose defaults depend on the model or the device."""
-    max_model_len = model_config.max_position_embeddings
+    max_model_len = model_config.max_context_len
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
             raise ValueError(
                 f"max_model_len ({config.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({max_model_len})."
+                f"context limit ({max_model_len}: max_position_embeddings, times the factor of dynamic rope)."
             )
         max_model_len = config.max_model_len
     budget = config.max_num_batched_tokens

@@ -90,6 +90,20 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         "qwen3_moe", "model_exec.models.qwen_moe", "Qwen3MoeForCausalLM", "qwen3moe",
         "sparse MoE (norm_topk_prob); per-head q/k RMSNorm",
     ),
+    "Qwen3ForCausalLM": Architecture(
+        "qwen3",
+        "model_exec.models.qwen3",
+        "Qwen3ForCausalLM",
+        None,
+        "per-head q/k RMSNorm; head_dim apart from hidden size; attention_bias; rope scaling",
+    ),
+    "Phi3ForCausalLM": Architecture(
+        "phi3",
+        "model_exec.models.phi3",
+        "Phi3ForCausalLM",
+        None,
+        "Phi-3, Phi-4: fused qkv/gate_up checkpoints; partial rotary; longrope; sliding window",
+    ),
 }
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
 ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}

@@ -21,7 +21,15 @@ ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
 }
+# older names of rope types, as transformers reads them (Phi-3's first configs say "su")
+_ROPE_TYPE_ALIASES: Mapping[str, str] = {"su": "longrope"}
+# types whose parameters name the pretraining context; HF fills it in (config.original_max_position_embeddings
+# first, Phi-3 keeps it there, else max_position_embeddings) when the rope parameters lack it
+_ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 _DTYPES = ("float32", "float16", "bfloat16")
 # activations model_exec.layers.activation implements (HF's names; its ACT_AND_MUL has one class each)
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
@@ -65,6 +73,9 @@ class ModelConfig:
     # attention; () means every layer is full (e.g. configs built by hand in tests)
     layer_windows: tuple[int | None, ...] = ()
     hidden_act: str = "silu"
+    # fraction of each head's features that rope rotates (HF's partial_rotary_factor; Phi-3-mini 1.0, Phi-4-mini
+    # 0.75); the rest pass through unrotated
+    partial_rotary_factor: float = 1.0
     # the checkpoint's config.json as read, for the per-family fields each model file parses itself
     hf: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -97,9 +108,7 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; implemented: {', '.join(HIDDEN_ACTS)}")
         if self.layer_windows and len(self.layer_windows) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_windows has {len(self.layer_windows)} entries for {self.num_hidden_layers} layers"
-            )
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_hidden_layers} layers")
         if any(w is not None and (not isinstance(w, int) or w < 1) for w in self.layer_windows):
             raise ValueError(f"sliding windows must be positive integers, got {self.layer_windows!r}")
         if self.dtype not in _DTYPES:
@@ -114,6 +123,11 @@ class ModelConfig:
             missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling of type {rope_type!r} is missing {missing}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives rotary dimension {self.rotary_dim} of "
+                f"head_dim {self.head_dim}; it must be a positive even number of features"
+            )
         if not all(isinstance(t, int) for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be integers, got {self.eos_token_ids!r}")
 
@@ -129,6 +143,19 @@ class ModelConfig:
     @property
     def rope_type(self) -> str:
         return "default" if self.rope_scaling is None else str(self.rope_scaling["rope_type"])
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, times `factor` under dynamic NTK
+        rope, whose base rescales for exactly the lengths past it (vLLM's limit; HF sets none)."""
+        if self.rope_scaling is not None and self.rope_type == "dynamic":
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many features of each head rope rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -177,7 +204,7 @@ class ModelConfig:
         hidden_size = hf_config.hidden_size
         num_heads = hf_config.num_attention_heads
         max_pos = hf_config.max_position_embeddings
-        rope_theta, rope_scaling = _normalise_rope(hf_config, max_pos)
+        rope_theta, rope_scaling, partial_rotary_factor = _normalise_rope(hf_config, max_pos)
         # Qwen2's attention: q/k/v biases (Qwen2-MoE's `qkv_bias`, default on), none on the output
         is_qwen2 = model_type in ("qwen2", "qwen2_moe") or architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -207,6 +234,7 @@ class ModelConfig:
             dtype=_dtype_name(hf_config),
             layer_windows=_layer_windows(hf_config, num_layers),
             hidden_act=hidden_act,
+            partial_rotary_factor=partial_rotary_factor,
             hf=dict(vars(hf_config)) if not hasattr(hf_config, "to_dict") else {**defaults, **hf_config.to_dict()},
         )
 
@@ -254,21 +282,28 @@ def hf_layer_types(layer_types: Any, sliding_window_pattern: Any, num_layers: in
     return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(num_layers)]
 
 
-def _normalise_rope(hf_config: Any, max_pos: int) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either transformers-5 `rope_parameters` or older fields."""
+def _normalise_rope(hf_config: Any, max_pos: int) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from either transformers-5 `rope_parameters` or
+    older fields, filled in as transformers' `standardize_rope_params` does."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, Mapping) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
     if not isinstance(params, Mapping):
         params = getattr(hf_config, "rope_scaling", None) or {}
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-    scaling["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    scaling["rope_type"] = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if scaling["rope_type"] == "default":
-        return float(theta), None
-    if scaling["rope_type"] == "llama3":
+        return float(theta), None, partial
+    if scaling["rope_type"] in _ROPE_TYPES_WITH_ORIGINAL_MAX:
+        top_level = getattr(hf_config, "original_max_position_embeddings", None)
+        if top_level is not None:  # HF gives the top-level field priority (Phi-3 keeps it there)
+            scaling["original_max_position_embeddings"] = int(top_level)
         scaling.setdefault("original_max_position_embeddings", max_pos)
-    return float(theta), scaling
+    return float(theta), scaling, partial
 
 
 def _as_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:

@@ -26,6 +26,11 @@ from model_exec.layers import cpu_gemm
 from model_exec.layers.activation import SiluAndMul
 from model_exec.parallel import TPGroup
 
+# Shard id for a checkpoint tensor that already holds every matrix of a fused layer, stacked in the layer's
+# order (Phi-3's qkv_proj and gate_up_proj): the loader splits it by the full sizes and cuts each rank's
+# slice of each part, so every rank keeps [its q | its k | its v] as with separate tensors.
+FUSED = "fused"
+
 
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator != 0:
@@ -40,9 +45,7 @@ def copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def default_weight_loader(
-    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-) -> None:
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
     """Loader for replicated parameters (norm weights): the whole tensor, on every rank."""
     copy_shard(param.data, loaded_weight)
 
@@ -73,12 +76,8 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(
-            torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False) if bias else None
-        )
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False) if bias else None
         _set_loader(self.weight, self.weight_loader)
         _set_loader(self.bias, self.weight_loader)
         # At most one of these is set, by pack_weights(); then `weight` holds no data.
@@ -166,6 +165,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
+        if shard_id == FUSED:
+            full_sizes = [s * self.tp.world_size for s in self.output_sizes]
+            for i, part in enumerate(_split_fused(loaded_weight, full_sizes)):
+                self.weight_loader(param, part, i)
+            return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
         size = self.output_sizes[shard_id]
@@ -227,15 +231,28 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
+        if shard_id == FUSED:
+            ws = self.tp.world_size
+            parts = _split_fused(loaded_weight, [self.q_size * ws, self.kv_size * ws, self.kv_size * ws])
+            for part_id, part in zip(("q", "k", "v"), parts, strict=True):
+                self.weight_loader(param, part, part_id)
+            return
         offsets = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
             "v": (self.q_size + self.kv_size, self.kv_size),
         }
         if shard_id not in offsets:
-            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v' (or {FUSED!r}: all three), got {shard_id!r}")
         offset, size = offsets[str(shard_id)]
         copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
+
+
+def _split_fused(full: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """The parts of a fused checkpoint tensor along dim 0 (views), after checking it has exactly their rows."""
+    if full.shape[0] != sum(sizes):
+        raise ValueError(f"fused checkpoint tensor has {full.shape[0]} rows, its parts {sizes} need {sum(sizes)}")
+    return full.split(sizes, dim=0)
 
 
 class RowParallelLinear(LinearBase):

@@ -214,7 +214,8 @@ class Gemma2Model(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} (key, value) cache pairs, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids).mul_(self.embed_scale)
-        ropes = [r.angles(positions, hidden.dtype) for r in self.rotary_embs]  # once per step, not per layer
+        rotaries: list[RotaryEmbedding] = list(self.rotary_embs)  # type: ignore[arg-type]  # ModuleList of them
+        ropes = [r.angles(positions, hidden.dtype, meta) for r in rotaries]  # once per step, not per layer
         residual: torch.Tensor | None = None
         for layer, rotary, kv_cache in zip(self.layers, self.layer_rotary, kv_caches, strict=True):
             hidden, residual = layer(ropes[rotary], hidden, residual, kv_cache, meta)

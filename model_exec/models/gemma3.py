@@ -52,7 +52,7 @@ def rope_by_layer_type(config: ModelConfig) -> dict[str, ModelConfig]:
     by_type["sliding_attention"].setdefault("rope_theta", hf["rope_local_base_freq"])
     out = {}
     for layer_type, p in by_type.items():
-        theta, scaling = _normalise_rope(SimpleNamespace(rope_parameters=p), config.max_position_embeddings)
+        theta, scaling, _ = _normalise_rope(SimpleNamespace(rope_parameters=p), config.max_position_embeddings)
         out[layer_type] = replace(config, rope_theta=theta, rope_scaling=scaling)
     return out
 

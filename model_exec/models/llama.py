@@ -2,9 +2,14 @@
 
 Differences between the family members are config fields, not subclasses:
 qkv_bias (Qwen2), o_bias (Llama `attention_bias`), tied embeddings (SmolLM2),
-rope scaling (Llama 3.x), per-layer sliding windows (Mistral, Qwen2).
-Every layer is built at its per-rank shard shape. A family whose layers differ from Llama's only in
-their attention or MLP subclasses LlamaForCausalLM and overrides `make_layer` (mixtral.py, qwen_moe.py).
+rope scaling and partial rotary (Llama 3.x, any family), per-layer sliding windows (Mistral, Qwen2).
+Every layer is built at its per-rank shard shape.
+
+Families that differ in structure subclass these classes (models/qwen3.py, models/phi3.py): each class
+names the one it builds below it (`attention_cls`, `layer_cls`, `model_cls`), and `LlamaAttention`
+offers one hook, `normalise_qk`, between the projection and the rotation.
+A family whose layers differ only in their MLP or attention module may instead override
+`make_layer` and hand the layer its modules (mixtral.py, qwen_moe.py).
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class LlamaAttention(nn.Module):
             sliding_window=config.layer_window(layer),
         )
 
+    def normalise_qk(self, qkv: torch.Tensor) -> None:
+        """Between projection and rotation: a family may rewrite the q and k parts of qkv [T, q | k | v]
+        in place (Qwen3's per-head RMSNorm). Llama does nothing."""
+
     def forward(
         self,
         rope: RopeAngles,
@@ -66,6 +75,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        self.normalise_qk(qkv)
         qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
         num_tokens = hidden.shape[0]
         # q and k sit side by side in the fused output: one rotation covers both (strided views, no copy
@@ -94,6 +104,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+
     def __init__(
         self,
         config: ModelConfig,
@@ -107,7 +119,9 @@ class LlamaDecoderLayer(nn.Module):
         """`self_attn` and `mlp` replace Llama's own (a family whose layers differ only there, e.g. MoE):
         modules with LlamaAttention's forward(rope, hidden, kv_cache, meta) and LlamaMLP's forward(x)."""
         super().__init__()
-        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config, tp, attn_backend, rotary, layer)
+        self.self_attn = (
+            self_attn if self_attn is not None else self.attention_cls(config, tp, attn_backend, rotary, layer)
+        )
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
@@ -136,22 +150,27 @@ LayerFactory = Callable[[ModelConfig, TPGroup, type[AttentionBackend], RotaryEmb
 
 
 class LlamaModel(nn.Module):
+    layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(
         self,
         config: ModelConfig,
         tp: TPGroup,
         attn_backend: type[AttentionBackend],
-        make_layer: LayerFactory = LlamaDecoderLayer,
+        make_layer: LayerFactory | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp, config.torch_dtype
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, config.torch_dtype)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            rotary_dim=config.rotary_dim,
         )
         self.layers = nn.ModuleList(
-            make_layer(config, tp, attn_backend, self.rotary_emb, i) for i in range(config.num_hidden_layers)
+            (make_layer or self.layer_cls)(config, tp, attn_backend, self.rotary_emb, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype)
 
@@ -165,7 +184,7 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} (key, value) cache pairs, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.angles(positions, hidden.dtype)  # once per step, not per layer
+        rope = self.rotary_emb.angles(positions, hidden.dtype, meta)  # once per step, not per layer
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
@@ -174,6 +193,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CheckpointLoader):
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
@@ -188,7 +208,7 @@ class LlamaForCausalLM(CheckpointLoader):
         config.check_tp(tp.world_size)
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, tp, attn_backend, self.make_layer)
+        self.model = self.model_cls(config, tp, attn_backend, self.make_layer)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.torch_dtype, tied)
 
@@ -200,8 +220,9 @@ class LlamaForCausalLM(CheckpointLoader):
         rotary: RotaryEmbedding,
         layer: int,
     ) -> nn.Module:
-        """Decoder layer `layer`; a family that differs from Llama only inside its layers overrides this."""
-        return LlamaDecoderLayer(config, tp, attn_backend, rotary, layer)
+        """Decoder layer `layer` (the model class's `layer_cls`); a family whose layers differ only in their
+        modules overrides this."""
+        return self.model_cls.layer_cls(config, tp, attn_backend, rotary, layer)
 
     def forward(
         self,

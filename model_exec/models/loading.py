@@ -1,20 +1,22 @@
 """Loading a checkpoint into a model built at its shard shapes: the part every family shares.
 
-A model class declares how checkpoint names map onto its parameters (`packed_modules_mapping`, and
-`checkpoint_param` for anything a table cannot say, e.g. one expert of a fused expert tensor); the
-tensors stream through here one at a time and each parameter's `weight_loader` cuts its own shard.
+A model class declares how checkpoint names map onto its parameters (`packed_modules_mapping` for
+layers the checkpoint stores as separate tensors, `fused_checkpoint_modules` for layers it stores
+already fused, and `checkpoint_param` for anything a table cannot say, e.g. one expert of a fused
+expert tensor); the tensors stream through here one at a time and each parameter's `weight_loader`
+cuts its own shard.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from model_exec.layers.linear import default_weight_loader
+from model_exec.layers.linear import FUSED, default_weight_loader
 
 # what a parameter's weight_loader is told a checkpoint tensor is: a packed part ("q", 0, ...), an
 # (expert, "gate" | "up" | "down") of stacked expert weights, or None for the whole tensor
@@ -28,6 +30,9 @@ class CheckpointLoader(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     # fused parameter -> the shard id its weight_loader expects for each entry above
     packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = {}
+    # fused parameters the checkpoint holds whole (Phi-3's qkv_proj, gate_up_proj): loaded with shard id
+    # FUSED, their weight_loader splits the parts and cuts each rank's slice of each
+    fused_checkpoint_modules: ClassVar[tuple[str, ...]] = ()
     # substrings of checkpoint names that hold no parameter (recomputed buffers)
     ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
@@ -42,6 +47,8 @@ class CheckpointLoader(nn.Module):
             for i, part in enumerate(parts):
                 if f".{part}." in ckpt_name:
                     return ckpt_name.replace(f".{part}.", f".{packed}."), self.packed_shard_ids[packed][i]
+        if any(f".{fused}." in ckpt_name for fused in self.fused_checkpoint_modules):
+            return ckpt_name, FUSED
         return ckpt_name, None
 
     def shards_expected(self, param_name: str) -> int:
@@ -67,7 +74,10 @@ class CheckpointLoader(nn.Module):
             if param is None:
                 arch = getattr(getattr(self, "config", None), "architecture", type(self).__name__)
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of {arch}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
+            # a layer's own loader takes its shard ids (experts: (expert, part)); replicated ones take none
+            loader: Callable[[nn.Parameter, torch.Tensor, Any], None] = getattr(
+                param, "weight_loader", default_weight_loader
+            )
             loader(param, tensor, shard_id)
             loaded[param_name].add(shard_id)
         missing = sorted(n for n in params if len(loaded[n]) < self.shards_expected(n))

@@ -7,7 +7,7 @@ then has a dense MLP of `intermediate_size`.
 
 Qwen2-MoE adds q/k/v biases (ModelConfig.qkv_bias) and a shared expert that sees every token, scaled by
 sigmoid(shared_expert_gate(x)); its partial sum joins the routed experts' before the one all-reduce.
-Qwen3-MoE adds per-head RMSNorm on q and k before the rotation (`QKNormAttention`).
+Qwen3-MoE adds per-head RMSNorm on q and k before the rotation (Qwen3's attention, models/qwen3.py).
 """
 
 from __future__ import annotations
@@ -20,49 +20,12 @@ from torch import nn
 from model_exec.config import ModelConfig, hf_int
 from model_exec.layers.linear import GateUpParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_exec.layers.moe import SparseMoeBlock
-from model_exec.layers.norm import RMSNorm
-from model_exec.layers.rotary import RopeAngles, RotaryEmbedding
-from model_exec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from model_exec.layers.rotary import RotaryEmbedding
+from model_exec.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from model_exec.models.loading import ExpertCheckpointLoader
+from model_exec.models.qwen3 import Qwen3Attention
 from model_exec.parallel import TPGroup
-from ops.attention.base import AttentionBackend, AttentionMetadata
-
-
-class QKNormAttention(LlamaAttention):
-    """Llama's attention with an RMSNorm over each q and k head (weights shared across heads), before RoPE.
-
-    Kept apart so that Qwen3 dense's own q/k-norm attention can replace it."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        tp: TPGroup,
-        attn_backend: type[AttentionBackend],
-        rotary: RotaryEmbedding,
-        layer: int,
-    ) -> None:
-        super().__init__(config, tp, attn_backend, rotary, layer)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.torch_dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.torch_dtype)
-
-    def forward(
-        self,
-        rope: RopeAngles,
-        hidden: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        num_tokens = hidden.shape[0]
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = self.q_norm(qkv[:, :q_size].reshape(-1, self.head_dim))
-        k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, self.head_dim))
-        assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)  # no residual: one tensor back
-        qk = torch.cat([q.view(num_tokens, self.num_heads, -1), k.view(num_tokens, self.num_kv_heads, -1)], dim=1)
-        q, k = self.rotary_emb.rotate_owned(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+from ops.attention.base import AttentionBackend
 
 
 class SharedExpert(nn.Module):
@@ -150,5 +113,5 @@ class Qwen3MoeForCausalLM(ExpertCheckpointLoader, LlamaForCausalLM):
             )
         else:
             mlp = LlamaMLP(config, tp)
-        attn = QKNormAttention(config, tp, attn_backend, rotary, layer)
+        attn = Qwen3Attention(config, tp, attn_backend, rotary, layer)
         return LlamaDecoderLayer(config, tp, attn_backend, rotary, layer, self_attn=attn, mlp=mlp)

@@ -196,8 +196,12 @@ def test_rope_fields_normalise_across_transformers_versions() -> None:
 
 
 def test_model_config_rejects_what_we_cannot_run() -> None:
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
-        ModelConfig.from_hf_config(_hf_like(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'proportional'"):
+        ModelConfig.from_hf_config(_hf_like(rope_scaling={"rope_type": "proportional", "factor": 2.0}))
+    with pytest.raises(ValueError, match=r"rope_scaling of type 'longrope' is missing \['long_factor'\]"):
+        ModelConfig.from_hf_config(_hf_like(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4}))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.1 gives rotary dimension 0"):
+        ModelConfig.from_hf_config(_hf_like(partial_rotary_factor=0.1))
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         ModelConfig.from_hf_config(_hf_like(num_key_value_heads=3))
     with pytest.raises(ValueError, match="hidden_act"):
