@@ -94,14 +94,14 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         "qwen3",
         "model_exec.models.qwen3",
         "Qwen3ForCausalLM",
-        None,
+        "qwen3",
         "per-head q/k RMSNorm; head_dim apart from hidden size; attention_bias; rope scaling",
     ),
     "Phi3ForCausalLM": Architecture(
         "phi3",
         "model_exec.models.phi3",
         "Phi3ForCausalLM",
-        None,
+        "phi3",
         "Phi-3, Phi-4: fused qkv/gate_up checkpoints; partial rotary; longrope; sliding window",
     ),
 }
