@@ -117,8 +117,9 @@ def test_gguf_config_equals_the_hf_config(model_type: str, tmp_path: Path) -> No
         Path(resolve_model(write_tiny_gguf(hf_dir, tmp_path / "gguf")).metadata_dir, "config.json").read_text()
     )
     original = json.loads(Path(hf_dir, "config.json").read_text())
-    if original.get("head_dim") is None:  # None means hidden_size / heads, which GGUF spells out
-        original["head_dim"] = original["hidden_size"] // original["num_attention_heads"]
+    for cfg in (original, derived):  # no head_dim (or None) means hidden_size / heads, which GGUF may spell out
+        if cfg.get("head_dim") is None:
+            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     assert derived["rms_norm_eps"] == pytest.approx(original.pop("rms_norm_eps"), rel=1e-6)  # stored as float32
     assert {k: v for k, v in original.items() if k not in _NOT_IN_GGUF} == {
         k: derived.get(k) for k in original if k not in _NOT_IN_GGUF
