@@ -4,8 +4,9 @@ the model's generation_config.json; `model_exec.generation_config` reads them ba
 EOM token ids (all of them end generation, as in llama.cpp).
 
 transformers' GGUF config reader leaves out keys that llama.cpp writes and the families need (Qwen3's
-head_dim, the MoE expert widths, Gemma 2's soft-caps, Mixtral's experts): those fields would keep the
-config class's defaults, wrong for most models. `complete_config` fills them from the file.
+head_dim, the MoE expert widths, Gemma 2's soft-caps, Mixtral's experts, partial rotary, Phi-3's
+longrope factors): those fields would keep the config class's defaults, wrong for most models.
+`complete_config` fills them from the file.
 
 Run by `model_exec.source.gguf_metadata_dir` in a child process, because transformers' GGUF reader
 imports torch and the control plane must not. Writes into a temporary sibling of TARGET_DIR and
@@ -48,7 +49,8 @@ def complete_config(config: Any, gguf_file: Path) -> Any:
     which llama.cpp writes as a `llama` file with experts and the reader takes for a dense Llama."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(gguf_file).fields
+    reader = GGUFReader(gguf_file)
+    fields = reader.fields
     arch = str(fields["general.architecture"].contents())
     if arch == "llama" and "llama.expert_count" in fields:
         from transformers import MixtralConfig
@@ -62,7 +64,32 @@ def complete_config(config: Any, gguf_file: Path) -> Any:
     for key, name in _EXTRA_CONFIG_KEYS.items():
         if f"{arch}.{key}" in fields and hasattr(config, name):
             setattr(config, name, fields[f"{arch}.{key}"].contents())
+    _complete_rope(config, reader, arch)
     return config
+
+
+def _complete_rope(config: Any, reader: Any, arch: str) -> None:
+    """Partial rotary (`{arch}.rope.dimension_count` below head_dim) and Phi-3's longrope, whose factors
+    llama.cpp stores as the tensors rope_factors_long/short: transformers' reader keeps neither."""
+    fields = reader.fields
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = "partial_rotary_factor" in rope or hasattr(config, "partial_rotary_factor")  # the class has one
+    if partial and f"{arch}.rope.dimension_count" in fields:
+        config.partial_rotary_factor = int(fields[f"{arch}.rope.dimension_count"].contents()) / head_dim
+        rope["partial_rotary_factor"] = config.partial_rotary_factor
+    factors = {t.name.split(".")[0]: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if {"rope_factors_long", "rope_factors_short"} <= set(factors):
+        original = int(fields[f"{arch}.rope.scaling.original_context_length"].contents())
+        rope.update(
+            rope_type="longrope",
+            long_factor=[float(x) for x in factors["rope_factors_long"].data],
+            short_factor=[float(x) for x in factors["rope_factors_short"].data],
+            original_max_position_embeddings=original,
+        )
+        config.original_max_position_embeddings = original
+    if rope:
+        config.rope_parameters = rope
 
 
 # end-of-generation token ids: llama.cpp stops at each (Llama 3's <|eot_id|> and <|eom_id|> besides EOS)

@@ -56,6 +56,9 @@ def _metadata(writer: Any, arch: str, cfg: dict[str, Any]) -> None:
         writer.add_value_length(head_dim)
     if cfg.get("sliding_window") is not None and arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
+    if rope.get("rope_type") == "longrope":  # the factors travel as tensors (gguf_tensors)
+        original = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(cap) is not None:
             getattr(writer, f"add_{cap}")(cfg[cap])
@@ -118,6 +121,10 @@ def gguf_tensors(hf_dir: Path, arch: str, cfg: dict[str, Any]) -> dict[str, np.n
         if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             array = array + 1.0
         out[f"{gguf_name}.{suffix}"] = array
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3 converter: the factors as two tensors
+        out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.asarray(rope["short_factor"], dtype=np.float32)
     for base, per_expert in experts.items():
         gguf_name = table.get_name(base)
         if gguf_name is None:
