@@ -5,7 +5,8 @@ EOM token ids (all of them end generation, as in llama.cpp).
 
 transformers' GGUF config reader leaves out keys that llama.cpp writes and the families need (Qwen3's
 head_dim, the MoE expert widths, Gemma 2's soft-caps, Mixtral's experts, partial rotary, Phi-3's
-longrope factors): those fields would keep the config class's defaults, wrong for most models.
+longrope factors, Llama 3's rope scaling, biases): those fields would keep the config class's defaults, wrong for
+most models.
 `complete_config` fills them from the file.
 
 Run by `model_exec.source.gguf_metadata_dir` in a child process, because transformers' GGUF reader
@@ -17,6 +18,7 @@ is fine (its copy is identical).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -64,13 +66,20 @@ def complete_config(config: Any, gguf_file: Path) -> Any:
     for key, name in _EXTRA_CONFIG_KEYS.items():
         if f"{arch}.{key}" in fields and hasattr(config, name):
             setattr(config, name, fields[f"{arch}.{key}"].contents())
+    # biases are in the tensors only (Llama's attention_bias / mlp_bias; Qwen2's are unconditional)
+    tensors = {t.name for t in reader.tensors}
+    if hasattr(config, "attention_bias") and "blk.0.attn_q.bias" in tensors:
+        config.attention_bias = True
+    if hasattr(config, "mlp_bias") and "blk.0.ffn_down.bias" in tensors:
+        config.mlp_bias = True
     _complete_rope(config, reader, arch)
     return config
 
 
 def _complete_rope(config: Any, reader: Any, arch: str) -> None:
-    """Partial rotary (`{arch}.rope.dimension_count` below head_dim) and Phi-3's longrope, whose factors
-    llama.cpp stores as the tensors rope_factors_long/short: transformers' reader keeps neither."""
+    """Partial rotary (`{arch}.rope.dimension_count` below head_dim), Phi-3's longrope, whose factors
+    llama.cpp stores as the tensors rope_factors_long/short, and Llama 3's rope scaling, stored as the tensor
+    rope_freqs: transformers' reader keeps none of them."""
     fields = reader.fields
     rope = dict(getattr(config, "rope_parameters", None) or {})
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -88,8 +97,45 @@ def _complete_rope(config: Any, reader: Any, arch: str) -> None:
             original_max_position_embeddings=original,
         )
         config.original_max_position_embeddings = original
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        rope.update(_llama3_rope([float(x) for x in freqs.data], float(rope.get("rope_theta", 10000.0)), head_dim))
     if rope:
         config.rope_parameters = rope
+
+
+def _llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float, original: int) -> list[float]:
+    """The per-frequency divisors llama.cpp's converter stores as `rope_freqs` for llama3 rope scaling."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama3_rope(freqs: list[float], theta: float, head_dim: int) -> dict[str, Any]:
+    """The llama3 rope parameters whose divisors are `freqs` (Llama 3.1+ GGUFs carry only the divisors):
+    the factor is the largest divisor; the band edges and the original context are searched over the values
+    Llama 3.x releases use and powers of two. Raises ValueError when none reproduces them."""
+    factor = max(freqs)
+    for original in [8192, *(2**k for k in range(4, 21))]:
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 8.0)):
+            candidate = _llama3_factors(theta, head_dim, factor, low, high, original)
+            if all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(candidate, freqs, strict=True)):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": original,
+                }
+    raise ValueError("the GGUF's rope_freqs match no llama3 rope scaling; raytp cannot apply them")
 
 
 # end-of-generation token ids: llama.cpp stops at each (Llama 3's <|eot_id|> and <|eom_id|> besides EOS)

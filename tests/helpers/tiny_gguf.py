@@ -93,6 +93,24 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs: per frequency, the divisor llama3 scaling applies."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def gguf_tensors(hf_dir: Path, arch: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
     """GGUF name -> array for every checkpoint tensor of `hf_dir`, converted as llama.cpp converts it."""
     import gguf
@@ -122,6 +140,8 @@ def gguf_tensors(hf_dir: Path, arch: str, cfg: dict[str, Any]) -> dict[str, np.n
             array = array + 1.0
         out[f"{gguf_name}.{suffix}"] = array
     rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp's Llama converter: the divisors, not the parameters
+        out["rope_freqs.weight"] = _llama3_rope_freqs(rope, cfg["head_dim"])
     if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3 converter: the factors as two tensors
         out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], dtype=np.float32)
         out["rope_factors_short.weight"] = np.asarray(rope["short_factor"], dtype=np.float32)

@@ -26,7 +26,14 @@ from model_exec.source import ModelSource, read_model_config, resolve_model
 from model_exec.weights import _hf_parameter_names, iter_gguf_tensors, iter_weights
 from tests.helpers.family_parity import assert_prefill_matches_hf
 from tests.helpers.tiny_gguf import GGUF_ARCH, write_tiny_gguf
-from tests.helpers.tiny_models import BOS_ID, EOS_ID, make_tiny_llama, make_tiny_model, make_tiny_qwen2
+from tests.helpers.tiny_models import (
+    BOS_ID,
+    EOS_ID,
+    make_tiny_llama,
+    make_tiny_model,
+    make_tiny_qwen2,
+    make_tiny_untied_rope_scaled,
+)
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=320,
@@ -145,6 +152,16 @@ def _rounded(value: Any) -> Any:
 
 # every registry row that loads from GGUF, by the HF model_type its tiny model is built as
 GGUF_FAMILIES = sorted({a.model_type for a in ARCHITECTURES.values() if a.gguf_arch is not None})
+
+
+def test_gguf_llama3_rope_scaling_and_biases_load_with_hf_parity(tmp_path: Path) -> None:
+    """Llama 3.1's rope scaling travels as rope_freqs divisors only; raytp recovers the parameters (here also
+    an untied head, head_dim apart from hidden size, and biases on q/k/v/o and the MLP)."""
+    hf_dir = make_tiny_untied_rope_scaled(tmp_path)
+    gguf_dir = write_tiny_gguf(hf_dir, tmp_path / "gguf")
+    ours, theirs = (read_model_config(resolve_model(d)) for d in (gguf_dir, hf_dir))
+    assert ours.rope_scaling == theirs.rope_scaling
+    assert_prefill_matches_hf(gguf_dir, world_sizes=(2,), reference_dir=hf_dir)
 
 
 @pytest.mark.parametrize("model_type", GGUF_FAMILIES)
