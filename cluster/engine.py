@@ -81,11 +81,12 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
 
 def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     """The model as the engine will run it (no weights read), refused (ValueError) when
-    `tensor_parallel_size` cannot split its heads: the one place that check runs, for the engine and
-    for `raytp serve`'s check before it starts Ray."""
+    `tensor_parallel_size` cannot split its heads or its generation_config.json holds a value SamplingParams
+    refuses: the one place those checks run, for the engine and for `raytp serve`'s check before it starts Ray."""
     source = resolve_model(config.model, config.revision)
     model_config = read_model_config(source, config.trust_remote_code, config.generation_config)
     model_config.check_tp(config.tensor_parallel_size)
+    sampling_defaults(source, config.generation_config)  # a bad generation_config.json, refused as early
     return source, model_config
 
 
