@@ -10,7 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model_exec.sampler import Sampler, SamplingMetadata, noise_seed
+from model_exec.sampler import (
+    Sampler,
+    SamplingMetadata,
+    noise_keys,
+    noise_seed,
+    race_over_grid,
+    race_over_support,
+)
 from scheduler.outputs import SeqSample
 from scheduler.sampling_params import SamplingParams
 
@@ -448,3 +455,31 @@ def test_grammar_mask_restricts_greedy_and_sampled_rows_only_where_given() -> No
     assert out[0].cumulative_logprob_deltas[0] == pytest.approx(
         torch.log_softmax(logits[0], -1)[out[0].token_ids[0]].item()
     )
+
+
+def _int64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def test_tensor_noise_keys_are_the_python_keys_bit_for_bit() -> None:
+    # int64 add/multiply wrap modulo 2^64: the tensor hash must equal the unsigned Python one.
+    gen = torch.Generator().manual_seed(0)
+    triples = [tuple(int(v) for v in torch.randint(-(2**62), 2**62, (3,), generator=gen)) for _ in range(300)]
+    triples += [(2**64 - 1, 2**63, 7), (-1, 0, 0), (0, 0, 0)]
+    cols = [torch.tensor([_int64(t[i]) for t in triples]) for i in range(3)]
+    assert noise_keys(*cols).tolist() == [_int64(noise_seed(*t)) for t in triples]
+
+
+def test_grid_race_draws_what_the_support_race_draws() -> None:
+    # The CUDA road races over the whole grid, the CPU road over the support: same noise, same draws.
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 500, generator=gen)
+    probs[probs < 0.7] = 0.0  # truncated rows (top-k/p, min-p) of different supports
+    probs[5] = 0.0
+    probs[5, 123] = 1.0  # a one-token support
+    keys = torch.randint(-(2**62), 2**62, (64,), generator=gen)
+    support_draws = race_over_support(probs.clone(), keys)
+    assert torch.equal(race_over_grid(probs.clone(), keys), support_draws)
+    assert support_draws[5] == 123
+    assert bool((probs.gather(1, support_draws[:, None]) > 0).all())
