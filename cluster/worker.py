@@ -88,6 +88,9 @@ class Worker:
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
             panel_gemm=cfg.cpu_panel_gemm,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
         )
 
     def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> tuple[int, int]:

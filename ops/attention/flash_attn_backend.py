@@ -39,6 +39,9 @@ def check_flash_attn_block_size(block_size: int) -> None:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    # The decode road is index_copy_ + flash_attn_with_kvcache, both sync-free with tensor-only inputs
+    # (vLLM captures the same call); max_seq_len is not read there.
+    cuda_graph_capturable = True
 
     def __init__(
         self,
