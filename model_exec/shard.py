@@ -142,6 +142,10 @@ class ModelShard:
         if not capturable:
             logger.info("decode runs eagerly: the attention backend cannot be captured into CUDA graphs")
             return False
+        if self.tp.world_size > 1:
+            # Decision: NCCL all-reduces inside captured graphs have not run on this road yet; TP stays eager.
+            logger.info("decode runs eagerly: CUDA graphs are used at tensor_parallel_size=1 only")
+            return False
         return True
 
     def profile_cuda_blocks(self, max_batched_tokens: int, max_num_seqs: int, gpu_memory_utilization: float) -> int:
