@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -69,7 +68,13 @@ LLAMA3_8B = dict(
     eos_token_id=2,
 )
 # Nominal HBM bandwidth by device name, most specific first (bytes/s).
-NOMINAL_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
+NOMINAL_BANDWIDTH = (
+    ("H200", 4.8e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("A100", 2.0e12),
+)
 PARITY_PROMPTS, PARITY_PROMPT_LEN, PARITY_TOKENS, TOP_LOGPROBS = 4, 32, 32, 5
 SINGLE_IN, SINGLE_OUT = 128, 256
 OFFLINE_PROMPTS, OFFLINE_IN, OFFLINE_OUT = 256, 512, 256
@@ -337,7 +342,11 @@ def phase_llama8b(fig: dict[str, Any], workdir: Path, check: Check) -> None:
         secs = timed(raytp_generate, llm, offline, OFFLINE_OUT)
         fig["raytp_offline_output_tok_s"] = round(OFFLINE_PROMPTS * OFFLINE_OUT / secs, 1)
         fig["raytp_offline_s"] = round(secs, 1)
-    roofline(fig, weight_bytes)
+    env = check.results["phases"].get("env", {})
+    bandwidth = env.get("nominal_bandwidth_tb_s") or env.get("measured_copy_bandwidth_tb_s")
+    fig["bandwidth_tb_s_for_roofline"] = bandwidth
+    if bandwidth:
+        roofline(fig, weight_bytes, bandwidth * 1e12)
     log.info("raytp: %s", {k: v for k, v in fig.items() if k.startswith(("raytp_", "roofline", "fraction", "x_"))})
     del llm, shard
     free_cuda()
@@ -345,9 +354,10 @@ def phase_llama8b(fig: dict[str, Any], workdir: Path, check: Check) -> None:
         raise AssertionError(f"8B bf16: tokens differ beyond the top-{TOP_LOGPROBS} logprobs: {parity['mismatch']}")
 
 
-def roofline(fig: dict[str, Any], weight_bytes: int) -> None:
-    """Bytes a decode step must read (every weight once, plus the KV of the context) over the bandwidth."""
-    bw = (fig.get("nominal_bandwidth_tb_s") or fig.get("measured_copy_bandwidth_tb_s") or math.nan) * 1e12
+def roofline(fig: dict[str, Any], weight_bytes: int, bw: float) -> None:
+    """Bytes a decode step must read (every weight once, plus the KV of the context) over the bandwidth bw
+    (bytes/s): the single-stream ms/token floor, and the output tokens/s ceiling of the offline batch's
+    decode steps (prefill is compute-bound and left out, so the ceiling is generous)."""
     kv_per_token = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * 2  # bf16 K and V
     single_ctx = SINGLE_IN + SINGLE_OUT / 2
     step_bytes = weight_bytes + kv_per_token * single_ctx
@@ -372,7 +382,15 @@ def phase_kvfull(fig: dict[str, Any], workdir: Path) -> None:
         raise RuntimeError("the 8B-shaped model was not built (phase llama8b)")
     ctx, out_len = 4096, 32
     torch.cuda.reset_peak_memory_stats()
-    llm = raytp_llm(str(model_dir), dtype="bfloat16", gpu_memory_utilization=0.9, max_model_len=ctx, max_num_seqs=256)
+    log.info("kvfull: %.2f GiB free before loading", torch.cuda.mem_get_info()[0] / 2**30)
+    llm = raytp_llm(
+        str(model_dir),
+        dtype="bfloat16",
+        gpu_memory_utilization=0.9,
+        max_model_len=ctx,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
     shard = shard_of(llm)
     pool_blocks = shard.cache.num_device_blocks
     pool_tokens = pool_blocks * shard.cache.block_size

@@ -41,8 +41,16 @@ def test_check_logprobs_close_follows_vllm() -> None:
 
 def test_roofline_is_the_bytes_a_decode_step_reads_over_the_bandwidth() -> None:
     weights = 16_060_000_000  # Llama-3-8B in bf16
-    fig = {"nominal_bandwidth_tb_s": 3.35, "raytp_single_stream_ms_per_token": 6.0}
-    roofline(fig, weights)
+    fig = {
+        "raytp_single_stream_ms_per_token": 6.0,
+        "raytp_offline_output_tok_s": 9000.0,
+        "hf_offline_output_tok_s": 1500.0,
+    }
+    roofline(fig, weights, 3.35e12)
     kv_token = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * 2
     assert fig["roofline_single_stream_ms_per_token"] == round((weights + kv_token * 256) / 3.35e12 * 1e3, 3)
     assert 0.79 < fig["fraction_of_roofline_single_stream"] < 0.81  # ~4.8 ms of 6.0 ms
+    # Offline: 256 rows per decode step, each reading its KV at the mean context (512 + 128), weights once.
+    step_bytes = weights + kv_token * 640 * 256
+    assert fig["roofline_offline_decode_output_tok_s"] == round(256 / (step_bytes / 3.35e12), 1)
+    assert fig["x_hf_offline"] == 6.0
