@@ -18,8 +18,8 @@ past it is skipped and says so):
    differ, each must be in the other's top-5; the rest of that sequence is not compared), the same
    single-stream and offline runs, and the HBM roofline (bytes a decode step must read / bandwidth).
 4. kvfull: the pool filled past capacity (max_num_seqs rows at a long context) without an out-of-memory.
-5. cuda_tests: pytest on the attention/cache-op tests that need CUDA (`-k "cuda or triton"` in tests/ops),
-   when pytest is installed.
+5. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files) and of
+   tests/model_exec/test_cuda_graphs.py (graph replay against eager), when pytest is installed.
 
 Writes DIR/gpu_check.log (everything printed, raytp's own log lines included: the attention backend
 chosen, the KV sizing line, the CUDA-graph capture) and DIR/gpu_check.json (the figures), rewritten
@@ -413,7 +413,14 @@ def phase_cuda_tests(fig: dict[str, Any], check: Check) -> None:
         fig["note"] = "pytest is not installed: the CUDA-marked tests were not run"
         log.warning(fig["note"])
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/ops", "-k", "cuda or triton"]
+    # The CUDA cases of the attention and cache-op tests (the C++ CPU kernels' files would build them first)
+    # and the decode CUDA graphs' replay against eager.
+    files = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests" / "ops").glob("test_*.py")
+        if not p.name.startswith(("test_cpu_", "test_fused_"))
+    ) + ["tests/model_exec/test_cuda_graphs.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(10, check.remaining() - 5)

@@ -302,17 +302,17 @@ def profile_forward(
             num_decodes=0,
         )
         hidden = runner.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, caches, meta)
-        # Rows past num_tokens repeat the last hidden state: the logits and the sampler see num_logit_rows rows.
+        # With more logit rows than tokens, token 0 fills the rest: the logits and the sampler see num_logit_rows rows.
         rows = torch.arange(num_tokens - num_logit_rows, num_tokens, device=dev).clamp_(min=0)
         logits = runner.model.compute_logits(hidden[rows])
         del hidden
         if logits is not None:  # the rank that samples
-            runner.sampler(logits.float(), _profile_sampling(num_logit_rows))
+            runner.sampler(logits.float(), _profile_sampling(num_logit_rows, logits.shape[1]))
     del caches
 
 
-def _profile_sampling(num_rows: int) -> SamplingMetadata:
-    history = list(range(64))  # some prompt and output tokens for the penalties to count
+def _profile_sampling(num_rows: int, vocab_size: int) -> SamplingMetadata:
+    history = list(range(min(64, vocab_size)))  # some prompt and output tokens for the penalties to count
     return SamplingMetadata(
         params=[_PROFILE_SAMPLING] * num_rows,
         seeds=list(range(num_rows)),

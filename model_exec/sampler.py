@@ -76,16 +76,17 @@ def _signed(x: int) -> int:
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
+    return (x >> n).bitwise_and_((1 << (64 - n)) - 1)
 
 
 def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
-    """`_splitmix64` on int64 tensors: int64 add and multiply wrap modulo 2^64 on CPU and CUDA alike, so the
-    bit patterns are those of the unsigned arithmetic."""
+    """`_splitmix64` on int64 tensors (x is not modified): int64 add and multiply wrap modulo 2^64 on CPU and
+    CUDA alike, so the bit patterns are those of the unsigned arithmetic. In place after the first add, so a
+    [rows, V] grid costs two int64 temporaries at a time."""
     x = x + _signed(_GAMMA)
-    x = (x ^ _shr(x, 30)) * _signed(_MIX1)
-    x = (x ^ _shr(x, 27)) * _signed(_MIX2)
-    return x ^ _shr(x, 31)
+    x.bitwise_xor_(_shr(x, 30)).mul_(_signed(_MIX1))
+    x.bitwise_xor_(_shr(x, 27)).mul_(_signed(_MIX2))
+    return x.bitwise_xor_(_shr(x, 31))
 
 
 def noise_keys(seeds: torch.Tensor, sample_indices: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ def noise_keys(seeds: torch.Tensor, sample_indices: torch.Tensor, steps: torch.T
 
 def _stream_uniform(keys: torch.Tensor, counters: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Element `counters` of SplitMix64's stream under `keys` (broadcast together), as a uniform in (0, 1)."""
-    bits = _shr(_splitmix64_t(keys + counters * _signed(_GAMMA)), 64 - _UNIFORM_BITS)
+    bits = _shr(_splitmix64_t((counters * _signed(_GAMMA)).add_(keys)), 64 - _UNIFORM_BITS)
     return bits.to(dtype).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
 
 

@@ -7,12 +7,14 @@ and the pad rows may touch only the pad block.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from model_exec.cuda_graphs import DecodeInputs, bucket_for, capture_sizes, pad_decode_inputs
+from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs, bucket_for, capture_sizes, pad_decode_inputs
 from ops.attention.base import AttentionMetadata
 from tests.helpers.tiny_models import load_our_model, make_kv_caches, make_tiny_llama, prefill_inputs
 
@@ -65,18 +67,18 @@ def _meta(inputs: DecodeInputs, max_seq_len: int) -> AttentionMetadata:
     )
 
 
-@torch.inference_mode()
-def test_padded_decode_computes_the_real_rows_and_writes_only_the_pad_block(tmp_path: Path) -> None:
-    block_size = 4
-    net, config = load_our_model(make_tiny_llama(tmp_path / "tiny"))
-    prompts = [[1, 9, 8, 7, 6, 5], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35, 36, 37]]
-    ids, positions, meta, num_blocks = prefill_inputs(prompts, block_size)
-    pad_block = num_blocks  # one block past every block the rows own
-    caches = make_kv_caches(config, 1, num_blocks + 1, block_size, torch.float32, "cpu")
-    net(ids, positions, caches, meta)
+PROMPTS = [[1, 9, 8, 7, 6, 5], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35, 36, 37]]
 
-    # One decode token per row, at position len(prompt), in the rows' own blocks (as prefill_inputs laid them).
-    lens = [len(p) for p in prompts]
+
+def _prefilled(
+    net: torch.nn.Module, config: Any, block_size: int, dtype: torch.dtype, device: str
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], DecodeInputs, int]:
+    """(caches after prefilling PROMPTS, with one spare block at the end; the host inputs of one decode token
+    per row, at position len(prompt) in the row's own blocks as prefill_inputs laid them; the spare block)."""
+    ids, positions, meta, num_blocks = prefill_inputs(PROMPTS, block_size, device)
+    caches = make_kv_caches(config, 1, num_blocks + 1, block_size, dtype, device)
+    net(ids, positions, caches, meta)
+    lens = [len(p) for p in PROMPTS]
     row_first = [1, 1 + -(-lens[0] // block_size), 1 + -(-lens[0] // block_size) + -(-lens[1] // block_size)]
     width = max(-(-(n + 1) // block_size) for n in lens)
     tables = torch.zeros((3, width), dtype=torch.int32)
@@ -92,11 +94,21 @@ def test_padded_decode_computes_the_real_rows_and_writes_only_the_pad_block(tmp_
         seq_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32),
         block_tables=tables,
     )
-    # Row 1 was given no block for position 4 by prefill_inputs' layout: it owns blocks [row_first[1], +1].
-    assert decode.block_tables[1, 1] == row_first[1] + 1 or lens[1] + 1 <= block_size
+    return caches, decode, num_blocks
+
+
+def _on(inputs: DecodeInputs, device: str) -> DecodeInputs:
+    return DecodeInputs(*(t.to(device) for t in dataclasses.astuple(inputs)))
+
+
+@torch.inference_mode()
+def test_padded_decode_computes_the_real_rows_and_writes_only_the_pad_block(tmp_path: Path) -> None:
+    block_size = 4
+    net, config = load_our_model(make_tiny_llama(tmp_path / "tiny"))
+    caches, decode, pad_block = _prefilled(net, config, block_size, torch.float32, "cpu")
 
     plain_caches = [(k.clone(), v.clone()) for k, v in caches]
-    plain = net(decode.input_ids, decode.positions, plain_caches, _meta(decode, max(lens) + 1))
+    plain = net(decode.input_ids, decode.positions, plain_caches, _meta(decode, max(decode.seq_lens.tolist())))
 
     padded = pad_decode_inputs(decode, bucket=8, pad_block=pad_block, block_size=block_size)
     padded_caches = [(k.clone(), v.clone()) for k, v in caches]
@@ -113,3 +125,45 @@ def test_padded_decode_computes_the_real_rows_and_writes_only_the_pad_block(tmp_
             changed = (flat(mine) != flat(before)).any(dim=1).nonzero().flatten().tolist()
             assert set(changed) == expected
             torch.testing.assert_close(mine[:pad_block], theirs[:pad_block], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_cuda_graph_replay_matches_eager_decode(tmp_path: Path) -> None:
+    """On a GPU with a capturable backend (what `auto` picks): the replayed graph's rows are the eager step's."""
+    from model_exec.models import build_model, pack_weights
+    from model_exec.parallel import TPGroup
+    from model_exec.source import read_model_config, resolve_model
+    from model_exec.weights import iter_weights
+    from ops.attention import get_attn_backend
+
+    block_size, dtype = 16, torch.float16
+    backend = get_attn_backend("auto", "cuda", dtype, block_size)
+    if not backend.cuda_graph_capturable:
+        pytest.skip(f"attention_backend {backend.name!r} (auto's choice here) is not CUDA-graph capturable")
+    src = resolve_model(make_tiny_llama(tmp_path / "tiny"))
+    config = read_model_config(src)
+    net = build_model(config, TPGroup.single(), backend, torch.device("cuda"), dtype)
+    net.load_weights(iter_weights(src))
+    pack_weights(net)
+    caches, decode, pad_block = _prefilled(net, config, block_size, dtype, "cuda")
+
+    eager_caches = [(k.clone(), v.clone()) for k, v in caches]
+    dev = _on(decode, "cuda")
+    eager = net(dev.input_ids, dev.positions, eager_caches, _meta(dev, max(decode.seq_lens.tolist())))
+    graphs = DecodeGraphs(
+        net,
+        caches,
+        sizes=(1, 2, 4, 8),
+        max_model_len=config.max_position_embeddings,
+        block_size=block_size,
+        pad_block=pad_block,
+        device=torch.device("cuda"),
+    )
+    graphs.capture()
+    replayed = graphs.run(decode)
+    assert replayed is not None and replayed.shape[0] == 4
+    torch.testing.assert_close(replayed[:3], eager, rtol=2e-3, atol=2e-3)
+    for (ek, ev), (gk, gv) in zip(eager_caches, caches, strict=True):
+        torch.testing.assert_close(gk[:pad_block], ek[:pad_block], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(gv[:pad_block], ev[:pad_block], rtol=2e-3, atol=2e-3)
