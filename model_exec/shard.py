@@ -200,8 +200,14 @@ class ModelShard:
                 pad_block=self.cache.pad_block_id,
                 device=self.device,
             )
-            graphs.capture()
-            self.runner.attach_decode_graphs(graphs)
+            try:
+                graphs.capture()
+            except Exception as exc:  # a backend that cannot be captured after all: serve, eagerly, and say why
+                logger.warning("decode runs eagerly: capturing CUDA graphs failed (%s: %s)", type(exc).__name__, exc)
+                self.use_cuda_graphs = False
+                torch.cuda.synchronize()
+            else:
+                self.runner.attach_decode_graphs(graphs)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""
