@@ -75,6 +75,9 @@ class EngineConfig:
         "PACK", "Ray placement group strategy for the TP workers", PLACEMENT_STRATEGIES
     )
     attention_backend: str = _opt("auto", "paged attention kernel", ATTENTION_BACKENDS)
+    enforce_eager: bool = _opt(
+        False, "CUDA: run every step eagerly, without the decode CUDA graphs (one per batch-size bucket)"
+    )
     cpu_panel_gemm: bool = _opt(
         True,
         "CPU fp32: run linear layers on raytp's panel-packed GEMM instead of oneDNN (~1.6x faster "

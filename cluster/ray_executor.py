@@ -47,6 +47,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _HEALTH_TIMEOUT_S = 10.0
+_CONTROL = "control"  # the workers' one-thread concurrency group for pings: they never wait behind a step
 _INLINE_MAX_BYTES = 64 * 1024  # below Ray's 100 KiB limit for arguments inlined into the task spec
 
 
@@ -88,7 +89,7 @@ class RayExecutor(Executor):
             raise
 
     def _start(self, config: ResolvedEngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
-        actor_cls = ray.remote(concurrency_groups={"control": 1})(Worker)  # type: ignore[call-overload]
+        actor_cls = ray.remote(concurrency_groups={_CONTROL: 1})(Worker)  # type: ignore[call-overload]
         rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
         for rank in range(self.world_size):
             self.workers.append(
@@ -148,7 +149,8 @@ class RayExecutor(Executor):
 
     def check_health(self) -> None:
         self._raise_if_failed()
-        self._gather([w.ping.remote() for w in self.workers], _HEALTH_TIMEOUT_S, "health check")
+        pings = [w.ping.options(concurrency_group=_CONTROL).remote() for w in self.workers]
+        self._gather(pings, _HEALTH_TIMEOUT_S, "health check")
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -186,7 +188,7 @@ class RayExecutor(Executor):
 
     def _stall_error(self, ranks: list[int], what: str, timeout_s: float) -> RankFailedError:
         # A rank that does not even answer a ping (served by its own thread) is the one to blame.
-        pings = {self.workers[r].ping.remote(): r for r in ranks}
+        pings = {self.workers[r].ping.options(concurrency_group=_CONTROL).remote(): r for r in ranks}
         ready = ray.wait(list(pings), num_returns=len(pings), timeout=2.0)[0]
         answered = set()
         for ref in ready:

@@ -22,14 +22,19 @@ import asyncio
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.numpy as llg_np
 import numpy as np
 
 from scheduler.errors import RequestError
 from scheduler.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import llguidance
+
+# Decision: llguidance is imported where a grammar is compiled or a mask filled, never at module load, so
+# the engine (and `from raytp import LLM`) runs where it is not installed (a bare GPU box) until a request
+# asks for structured output.
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU); a template matcher is a few hundred KiB at most
 # Optional whitespace between JSON tokens, unless the request gives `whitespace_pattern`: a line break and
@@ -44,6 +49,8 @@ _JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 
 def to_grammar(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a spec (JSON text). Raises RequestError for a spec it cannot express."""
+    import llguidance
+
     try:
         if spec.json is not None or spec.json_object:
             schema: Any = spec.json if spec.json is not None else {"type": "object"}
@@ -85,6 +92,8 @@ def _no_additional_properties(schema: Any) -> Any:
 def _structural_tag_grammar(tag: dict[str, Any]) -> str:
     """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}): free text in
     which every region that starts with a trigger must be one of the structures."""
+    import llguidance
+
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
         raise ValueError("a structural tag needs non-empty 'structures' and 'triggers' lists")
@@ -181,6 +190,8 @@ class StructuredOutputManager:
         return GrammarMatcher(template.deep_copy(), self._ll_tokenizer, trigger)
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        import llguidance
+
         grammar = to_grammar(spec)
         matcher = llguidance.LLMatcher(
             self._tokenizer(),
@@ -196,6 +207,8 @@ class StructuredOutputManager:
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:  # only the compile thread builds it
+            import llguidance
+
             backend = self._hf_tokenizer.backend_tokenizer
             self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
         return self._ll_tokenizer
@@ -204,6 +217,9 @@ class StructuredOutputManager:
     def fill_bitmask(self, matchers: list[GrammarMatcher]) -> np.ndarray:
         """int32 [len(matchers), ceil(vocab / 32)]: row i packs the tokens matcher i allows next (the
         rows computed in parallel by llguidance's own threads)."""
+        import llguidance
+        import llguidance.numpy as llg_np
+
         bitmask = llg_np.allocate_token_bitmask(len(matchers), self.vocab_size)  # all ones: dormant rows
         if self._executor is None:
             self._executor = llguidance.LLExecutor()

@@ -8,6 +8,9 @@ The same class runs in-process (TP=1, `InProcessExecutor`) and as the Ray actor 
 Decision: this module imports no torch. The tensors live in `model_exec.shard.ModelShard`,
 imported when the model loads, i.e. inside the rank's own process. The controller can then
 create worker actors without paying torch's import time and memory itself.
+Nor does it import Ray: the in-process road (TP=1 offline) must run where Ray is not installed
+(a bare GPU box: benchmarks/gpu_check.py). Only Ray ranks call `node_info` and `start_metrics`,
+which import it; `ping`'s own concurrency group is named by the caller (`RayExecutor`).
 """
 
 from __future__ import annotations
@@ -19,15 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import ray
-
 from cluster.config import ResolvedEngineConfig, default_kv_cache_bytes
-from cluster.metrics.ray_metrics import WorkerMetrics
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from cluster.metrics.ray_metrics import WorkerMetrics
     from model_exec.shard import ModelShard
 
 
@@ -59,6 +60,8 @@ class Worker:
 
     def node_info(self) -> NodeInfo:
         """Where this rank runs (Ray ranks report it before the TP rendezvous)."""
+        import ray
+
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -85,6 +88,9 @@ class Worker:
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
             panel_gemm=cfg.cpu_panel_gemm,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
         )
 
     def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> tuple[int, int]:
@@ -121,11 +127,13 @@ class Worker:
 
     def start_metrics(self, model_name: str, replica: str) -> None:
         """Record this rank's execute_model wall time from now on, labelled with its rank."""
+        from cluster.metrics.ray_metrics import WorkerMetrics
+
         self.metrics = WorkerMetrics(model_name, replica, self.rank)
 
-    @ray.method(concurrency_group="control")
     def ping(self) -> None:
-        """Answers even while a step runs (its own thread, for a Ray rank): health checks never queue."""
+        """Answers even while a step runs: a Ray rank serves it in the "control" concurrency group, which
+        `RayExecutor` names on every call; health checks never queue behind a step."""
 
     def shutdown(self) -> None:
         if self.shard is not None:

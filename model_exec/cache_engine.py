@@ -11,6 +11,8 @@ Allocation choices:
 - The CPU swap pool is `torch.empty`: a swap block is only read after a swap-out wrote it whole,
   and untouched pages of an empty CPU tensor cost no memory until written. It is pinned when the
   device is CUDA, so swaps are plain DMA copies.
+- `pad_block=True` adds one device block past the block manager's ids (`pad_block_id`): the padding
+  rows of a CUDA-graph decode batch write and read only there (model_exec/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        pad_block: bool = False,
     ) -> None:
         for field, val in (
             ("num_layers", num_layers),
@@ -55,9 +58,12 @@ class CacheEngine:
         self.dtype = dtype
         self.device = torch.device(device)
 
+        # Block ids the block manager hands out are < num_device_blocks; the pad block, if any, is the next one.
+        self.pad_block_id: int | None = num_device_blocks if pad_block else None
+        pool_blocks = num_device_blocks + int(pad_block)
         block_shape = (block_size, num_kv_heads, head_dim)
         self._device_caches: list[KVCache] = [
-            (self._zeros((num_device_blocks, *block_shape)), self._zeros((num_device_blocks, *block_shape)))
+            (self._zeros((pool_blocks, *block_shape)), self._zeros((pool_blocks, *block_shape)))
             for _ in range(num_layers)
         ]
         pin = self.device.type == "cuda" and num_cpu_blocks > 0

@@ -8,6 +8,10 @@ a collective); only rank 0 samples and answers.
 Input preparation is vectorised over the batch: positions, slot mapping and block
 tables are computed with tensor ops from per-row (computed, scheduled) counts; the
 only per-row Python work is slicing each row's new token ids.
+
+On CUDA the host inputs travel as pinned, non-blocking copies (the host never waits for them), and a
+pure-decode step replays the CUDA graph of its batch-size bucket when graphs are attached
+(`model_exec/cuda_graphs.py`). On the CPU the "copies" are the host tensors themselves.
 """
 
 from __future__ import annotations
@@ -18,12 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
+from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.sampler import Sampler, SamplingMetadata
 from ops.attention.base import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
+
+# The profile step's sampler pass: the heaviest per-row work the sampler does (penalties count tokens over
+# [rows, V], top-p may sort whole rows, logprobs keep a [rows, V] log_softmax), so its temporaries are in
+# the peak that sizes the KV pool.
+_PROFILE_SAMPLING = SamplingParams(
+    temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1, frequency_penalty=0.1, logprobs=5
+)
 
 
 @dataclass
@@ -46,6 +58,21 @@ class _SeqState:
     def token_at(self, pos: int) -> int:
         num_prompt = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < num_prompt else self.output_token_ids[pos - num_prompt]
+
+
+@dataclass
+class _HostStep:
+    """One step's model inputs on the host (CPU tensors), and what the step reads of them in Python."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    starts: list[int]  # query_start_loc as Python ints (no device read)
+    max_query_len: int
+    num_decodes: int
 
 
 @dataclass
@@ -72,6 +99,12 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.seqs: dict[int, _SeqState] = {}
+        self._pinned = device.type == "cuda"
+        self.decode_graphs: DecodeGraphs | None = None  # set by attach_decode_graphs (CUDA, after the KV pool)
+
+    def attach_decode_graphs(self, graphs: DecodeGraphs) -> None:
+        """Pure-decode steps replay these graphs from now on (the KV pool they captured must stay)."""
+        self.decode_graphs = graphs
 
     # ------------------------------------------------------------------ state
     def _apply_deltas(self, so: SchedulerOutput) -> list[_Row]:
@@ -100,7 +133,7 @@ class ModelRunner:
         return rows
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _host_inputs(self, rows: list[_Row]) -> _HostStep:
         q_lens_list = [r.num_scheduled for r in rows]
         input_ids = torch.tensor(
             list(
@@ -126,17 +159,43 @@ class ModelRunner:
             block_tables[i, : len(r.state.block_ids)] = torch.tensor(r.state.block_ids, dtype=torch.int32)
         block_of_token = block_tables[row_of_token, positions // self.block_size].long()
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=seq_lens.to(dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slot_mapping.to(dev),
+        return _HostStep(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            starts=query_start_loc.tolist(),
             max_query_len=max(q_lens_list),
-            max_seq_len=int(seq_lens.max()),
             num_decodes=sum(1 for n in q_lens_list if n == 1),
         )
-        return input_ids.to(dev), positions.to(dev), meta
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device: pinned and non-blocking on CUDA (the pinned block is recycled only
+        once the copy is done: torch's caching host allocator records the copy's event); itself on the CPU."""
+        if self._pinned:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _forward(self, host: _HostStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states of the step's tokens (a graph's padded output may carry extra rows at the end)."""
+        if self.decode_graphs is not None and host.max_query_len == 1:
+            hidden = self.decode_graphs.run(
+                DecodeInputs(host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.block_tables)
+            )
+            if hidden is not None:
+                return hidden
+        meta = AttentionMetadata(
+            query_start_loc=self._to_device(host.query_start_loc),
+            seq_lens=self._to_device(host.seq_lens),
+            block_tables=self._to_device(host.block_tables),
+            slot_mapping=self._to_device(host.slot_mapping),
+            max_query_len=host.max_query_len,
+            max_seq_len=int(host.seq_lens.max()),
+            num_decodes=host.num_decodes,
+        )
+        return self.model(self._to_device(host.input_ids), self._to_device(host.positions), kv_caches, meta)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -146,12 +205,12 @@ class ModelRunner:
         rows = self._apply_deltas(so)
         if not rows:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
-        input_ids, positions, meta = self._prepare(rows)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        host = self._host_inputs(rows)
+        hidden = self._forward(host, kv_caches)
 
         # Which hidden rows need logits: the last token of every row that samples, then the prompt
         # positions whose logprobs were asked for. Same selection on every rank (gather is collective).
-        starts = meta.query_start_loc.tolist()
+        starts = host.starts
         sample_rows = [i for i, r in enumerate(rows) if r.seq_id in so.num_samples]
         select = [starts[i + 1] - 1 for i in sample_rows]
         plp_spans: list[tuple[int, int, int]] = []  # (row, first position, count)
@@ -165,7 +224,7 @@ class ModelRunner:
             select.extend(range(starts[i], starts[i] + count))
         if not select:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
-        logits = self.model.compute_logits(hidden[torch.tensor(select, device=hidden.device)])
+        logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(select))])
         if logits is None:  # ranks other than 0: the gather delivered the logits to rank 0 only
             return None
         logits = logits.float()
@@ -225,7 +284,8 @@ def profile_forward(
     num_logit_rows: int,
     make_cache: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]],
 ) -> None:
-    """One prefill of `num_tokens` dummy tokens plus logits for `num_logit_rows` rows: the step's peak memory."""
+    """The step's peak memory: one prefill of `num_tokens` dummy tokens, then logits and a sampler pass
+    (the sampler's heaviest settings) for `num_logit_rows` rows (max_num_seqs) on the rank that samples."""
     bs = runner.block_size
     num_blocks = -(-num_tokens // bs)
     caches = make_cache(num_blocks)
@@ -242,5 +302,23 @@ def profile_forward(
             num_decodes=0,
         )
         hidden = runner.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, caches, meta)
-        runner.model.compute_logits(hidden[-min(num_logit_rows, num_tokens) :])
+        # With more logit rows than tokens, token 0 fills the rest: the logits and the sampler see num_logit_rows rows.
+        rows = torch.arange(num_tokens - num_logit_rows, num_tokens, device=dev).clamp_(min=0)
+        logits = runner.model.compute_logits(hidden[rows])
+        del hidden
+        if logits is not None:  # the rank that samples
+            runner.sampler(logits.float(), _profile_sampling(num_logit_rows, logits.shape[1]))
     del caches
+
+
+def _profile_sampling(num_rows: int, vocab_size: int) -> SamplingMetadata:
+    history = list(range(min(64, vocab_size)))  # some prompt and output tokens for the penalties to count
+    return SamplingMetadata(
+        params=[_PROFILE_SAMPLING] * num_rows,
+        seeds=list(range(num_rows)),
+        sample_indices=[0] * num_rows,
+        output_lens=[len(history)] * num_rows,
+        num_samples=[1] * num_rows,
+        prompt_token_ids=[history] * num_rows,
+        output_token_ids=[history] * num_rows,
+    )

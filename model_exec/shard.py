@@ -17,6 +17,8 @@ import torch
 from model_exec import malloc_tuning
 from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
+from model_exec.cuda_graphs import DecodeGraphs, capture_sizes
+from model_exec.kv_sizing import MemorySnapshot, measure_kv_budget, take_snapshot
 from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
 from model_exec.parallel import TPGroup, init_tp_group
@@ -84,11 +86,21 @@ class ModelShard:
         attention_backend: str,
         block_size: int,
         panel_gemm: bool = True,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
-        """Join the TP group, build this rank's shard on its device and stream its weights in."""
+        """Join the TP group, build this rank's shard on its device and stream its weights in.
+
+        max_num_seqs and max_model_len size the CUDA graphs' buffers (max_model_len: the model's own when
+        None); enforce_eager turns the graphs off."""
         self.device = torch_device(device)
+        self._mem_at_start: MemorySnapshot | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            # Before the TP group and the weights: NCCL's buffers and the weights count as this rank's.
+            self._mem_at_start = take_snapshot(torch.cuda, self.device)
         else:  # every step's activations come from malloc: keep them off fresh pages
             malloc_tuning.keep_freed_memory()
         if world_size == 1:
@@ -103,6 +115,10 @@ class ModelShard:
         model.load_weights(iter_weights(source))
         pack_weights(model, panels=panel_gemm)
         self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids)
+        self._mem_after_load = take_snapshot(torch.cuda, self.device) if self.device.type == "cuda" else None
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        self.use_cuda_graphs = self._decide_cuda_graphs(attn_backend.cuda_graph_capturable, enforce_eager)
         self.cache_shape = CacheShape(
             num_layers=model_config.num_hidden_layers,
             num_kv_heads=model_config.num_key_value_heads // world_size,
@@ -117,22 +133,37 @@ class ModelShard:
     def bytes_per_block(self) -> int:
         return self.cache_shape.bytes_per_block
 
+    def _decide_cuda_graphs(self, capturable: bool, enforce_eager: bool) -> bool:
+        if self.device.type != "cuda":
+            return False
+        if enforce_eager:
+            logger.info("decode runs eagerly: enforce_eager is set")
+            return False
+        if not capturable:
+            logger.info("decode runs eagerly: the attention backend cannot be captured into CUDA graphs")
+            return False
+        if self.tp.world_size > 1:
+            # Decision: NCCL all-reduces inside captured graphs have not run on this road yet; TP stays eager.
+            logger.info("decode runs eagerly: CUDA graphs are used at tensor_parallel_size=1 only")
+            return False
+        return True
+
     def profile_cuda_blocks(self, max_batched_tokens: int, max_num_seqs: int, gpu_memory_utilization: float) -> int:
-        """Run the largest batch once; what gpu_memory_utilization leaves after the peak goes to KV blocks."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile_forward(self.runner, max_batched_tokens, max_num_seqs, self._scratch_cache)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_for_kv = int(total * gpu_memory_utilization) - peak
-        torch.cuda.empty_cache()
-        if free_for_kv < self.bytes_per_block:
-            raise ValueError(
-                f"no room for the KV cache: the profile run peaked at {peak / 2**30:.2f} GiB of "
-                f"{total / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens."
-            )
-        return free_for_kv // self.bytes_per_block
+        """KV blocks this rank can hold (model_exec/kv_sizing.py): device memory measured at start, after
+        loading and after the largest step with a sampler pass over max_num_seqs rows. With CUDA graphs one
+        block of that is the pad block, so one fewer is offered."""
+        assert self._mem_at_start is not None and self._mem_after_load is not None, "CUDA ranks only"
+        budget = measure_kv_budget(
+            torch.cuda,
+            self.device,
+            self._mem_at_start,
+            self._mem_after_load,
+            lambda: profile_forward(self.runner, max_batched_tokens, max_num_seqs, self._scratch_cache),
+            gpu_memory_utilization=gpu_memory_utilization,
+            bytes_per_block=self.bytes_per_block,
+        )
+        logger.info("rank %d %s", self.tp.rank, budget.describe())
+        return budget.num_blocks - int(self.use_cuda_graphs)
 
     def _scratch_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.cache_shape
@@ -156,7 +187,27 @@ class ModelShard:
             num_cpu_blocks=num_cpu_blocks,
             dtype=s.dtype,
             device=self.device,
+            pad_block=self.use_cuda_graphs,
         )
+        if self.use_cuda_graphs:
+            assert self.cache.pad_block_id is not None
+            graphs = DecodeGraphs(
+                self.runner.model,
+                self.cache.device_caches,
+                sizes=capture_sizes(self.max_num_seqs),
+                max_model_len=self.max_model_len,
+                block_size=s.block_size,
+                pad_block=self.cache.pad_block_id,
+                device=self.device,
+            )
+            try:
+                graphs.capture()
+            except Exception as exc:  # a backend that cannot be captured after all: serve, eagerly, and say why
+                logger.warning("decode runs eagerly: capturing CUDA graphs failed (%s: %s)", type(exc).__name__, exc)
+                self.use_cuda_graphs = False
+                torch.cuda.synchronize()
+            else:
+                self.runner.attach_decode_graphs(graphs)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""

@@ -58,6 +58,12 @@ class AttentionBackend(ABC):
     # What this backend implements; the constructor refuses the options it does not.
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
+    # True declares that a pure-decode `forward` (max_query_len == 1) can be recorded into a CUDA graph and
+    # replayed with new values in the same metadata tensors: no host sync (.tolist(), .item(), printing a
+    # tensor), no host branch or tensor shape that depends on a metadata tensor's values, and `max_seq_len`
+    # read only as an upper bound (captures pass max_model_len; model_exec/cuda_graphs.py). Rows past the
+    # real batch are padding whose slots and block tables point at a pad block the scheduler never hands out.
+    cuda_graph_capturable: bool = False
 
     def __init__(
         self,

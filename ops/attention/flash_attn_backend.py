@@ -51,6 +51,9 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    # The decode road is index_copy_ + flash_attn_with_kvcache, both sync-free with tensor-only inputs
+    # (vLLM captures the same call); max_seq_len is not read there.
+    cuda_graph_capturable = True
 
     supports_sliding_window = True
     supports_logits_soft_cap = True

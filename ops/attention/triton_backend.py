@@ -75,6 +75,9 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # A decode step reads only tensors and host ints fixed at capture (max_seq_len = max_model_len then:
+    # more key segments than needed, each row still bounded by its own seq_len), with no host sync.
+    cuda_graph_capturable = True
 
     supports_sliding_window = True
     supports_logits_soft_cap = True

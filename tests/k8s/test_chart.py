@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import tomllib
 from typing import Any
 
@@ -167,6 +168,30 @@ def test_image_copies_every_first_party_package() -> None:
     modules = {f"{m}.py" for m in project["tool"]["setuptools"]["py-modules"]}
     copied = set(re.findall(r"^COPY \S+ (\S+) ", (ROOT / "k8s" / "Dockerfile").read_text(), re.M))
     assert tops | modules <= copied, (tops | modules) - copied
+
+
+def _dockerfile_extras(variant: str, extras_arg: str = "") -> str:
+    """The pip extras k8s/Dockerfile's install step picks for a build (its own shell lines, run by sh)."""
+    text = (ROOT / "k8s" / "Dockerfile").read_text()
+    lines = [ln.strip().removesuffix("\\").strip() for ln in text.splitlines() if "extras=" in ln and "$" in ln]
+    assert lines, "the Dockerfile no longer computes its extras"
+    script = "\n".join(lines) + '\nprintf %s "$extras"'
+    env = {"VARIANT": variant, "EXTRAS": extras_arg, "PATH": "/usr/bin:/bin"}
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_gpu_image_installs_the_gpu_road_and_gpu_values_select_it() -> None:
+    """GPU builds install the `gpu` extra (Triton, the paged kernel `auto` runs on CUDA); CPU builds none;
+    the chart's GPU values pick the GPU image."""
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("triton") for req in optional["gpu"])
+    assert _dockerfile_extras("cpu") == ""
+    assert _dockerfile_extras("gpu") == _dockerfile_extras("cu128") == "gpu"
+    assert _dockerfile_extras("gpu", "gpu,cuda") == "gpu,cuda"
+    assert set(_dockerfile_extras("gpu", "gpu,cuda").split(",")) <= set(optional)
+    workers = of_kind(render(load_values("gpu-tp2")), "RayService")[0]["spec"]["rayClusterConfig"]
+    images = {c["image"] for g in workers["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]}
+    assert images == {"raytp:0.1.0-gpu"}
 
 
 def test_names_fit_kuberay_limits() -> None:

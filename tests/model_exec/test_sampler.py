@@ -10,7 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model_exec.sampler import Sampler, SamplingMetadata, noise_seed
+from model_exec.sampler import (
+    Sampler,
+    SamplingMetadata,
+    noise_keys,
+    noise_seed,
+    race_over_grid,
+    race_over_support,
+)
 from scheduler.outputs import SeqSample
 from scheduler.sampling_params import SamplingParams
 
@@ -82,8 +89,14 @@ def reference_probs(logits: list[float], row: Row, eos: tuple[int, ...] = (EOS,)
     return [v / sum(probs) for v in probs]
 
 
-def run(logits: torch.Tensor, rows: list[Row], eos: tuple[int, ...] = (EOS,)) -> list[SeqSample]:
-    return Sampler()(logits, meta_of(rows, eos))
+def run(
+    logits: torch.Tensor, rows: list[Row], eos: tuple[int, ...] = (EOS,), noise: str | None = None
+) -> list[SeqSample]:
+    return Sampler(noise)(logits, meta_of(rows, eos))
+
+
+# Both noise sources (the CPU's generator, CUDA's counter-based hashing) run here on the CPU.
+NOISE = pytest.mark.parametrize("noise", ["generator", "counter"])
 
 
 # Small logits with clear gaps, so no top-k/top-p/min-p boundary is a rounding question.
@@ -119,11 +132,12 @@ def test_processed_probs_match_reference_batched() -> None:
 
 
 @pytest.mark.parametrize("params", CONFIGS, ids=CONFIG_IDS)
-def test_sample_frequencies_match_processed_probs(params: SamplingParams) -> None:
+@NOISE
+def test_sample_frequencies_match_processed_probs(params: SamplingParams, noise: str) -> None:
     draws = 4000
     rows = [config_row(params, seed=s) for s in range(draws)]
     logits = torch.tensor([SMALL] * draws)
-    tokens = [s.token_ids[0] for s in run(logits, rows)]
+    tokens = [s.token_ids[0] for s in run(logits, rows, noise=noise)]
     expected = reference_probs(SMALL, rows[0])
     counts = [tokens.count(t) for t in range(len(SMALL))]
     chi2 = 0.0
@@ -270,20 +284,22 @@ def test_seeded_results_repeat_across_runs_and_sampler_instances() -> None:
     assert sampler(logits, meta_of(rows)) == first
 
 
-def test_seeded_results_do_not_depend_on_batch_order() -> None:
+@NOISE
+def test_seeded_results_do_not_depend_on_batch_order(noise: str) -> None:
     rows, logits = mixed_rows(), mixed_logits(8)
-    base = run(logits, rows)
+    base = run(logits, rows, noise=noise)
     for perm_seed in range(3):
         perm = torch.randperm(8, generator=torch.Generator().manual_seed(perm_seed)).tolist()
-        permuted = run(logits[perm], [rows[i] for i in perm])
+        permuted = run(logits[perm], [rows[i] for i in perm], noise=noise)
         assert permuted == [base[i] for i in perm]
 
 
-def test_seeded_results_do_not_depend_on_batch_composition() -> None:
+@NOISE
+def test_seeded_results_do_not_depend_on_batch_composition(noise: str) -> None:
     rows, logits = mixed_rows(), mixed_logits(8)
-    base = run(logits, rows)
+    base = run(logits, rows, noise=noise)
     for i in range(8):
-        assert run(logits[i : i + 1], [rows[i]]) == [base[i]]
+        assert run(logits[i : i + 1], [rows[i]], noise=noise) == [base[i]]
     others = mixed_logits(5, seed=1)
     extra = [Row(SamplingParams(temperature=0.0)), Row(SamplingParams(top_p=0.5), seed=99)] * 2 + [
         Row(SamplingParams(top_k=3, frequency_penalty=1.0), seed=3, output=[1, 2])
@@ -291,6 +307,7 @@ def test_seeded_results_do_not_depend_on_batch_composition() -> None:
     batched = run(
         torch.cat([others[:2], logits[:3], others[2:], logits[3:]]),
         extra[:2] + rows[:3] + extra[2:] + rows[3:],
+        noise=noise,
     )
     assert batched[2:5] + batched[8:] == base
 
@@ -326,11 +343,12 @@ def test_row_alone_equals_row_in_any_batch(target: int, others: list[int], posit
     assert batched[min(position, len(others))] == alone
 
 
-def test_seed_sample_index_and_step_each_change_the_draw() -> None:
+@NOISE
+def test_seed_sample_index_and_step_each_change_the_draw(noise: str) -> None:
     assert len({noise_seed(s, i, t) for s in (0, 1) for i in (0, 1) for t in (0, 1)}) == 8
     assert 0 <= noise_seed(-1, 0, 0) < 2**64 and 0 <= noise_seed(2**70, 3, 9) < 2**64  # any Python int
     logits = torch.zeros(1, 1000)  # uniform: every draw is pure noise
-    draw = lambda **kw: run(logits, [Row(SamplingParams(), **kw)])[0].token_ids[0]  # noqa: E731
+    draw = lambda **kw: run(logits, [Row(SamplingParams(), **kw)], noise=noise)[0].token_ids[0]  # noqa: E731
     base = draw(seed=5)
     assert draw(seed=5) == base
     assert len({draw(seed=s) for s in range(20)}) > 15
@@ -338,13 +356,14 @@ def test_seed_sample_index_and_step_each_change_the_draw() -> None:
     assert len({draw(seed=5, sample_index=k) for k in range(20)}) > 15
 
 
-def test_num_samples_draws_the_children_streams() -> None:
+@NOISE
+def test_num_samples_draws_the_children_streams(noise: str) -> None:
     logits = mixed_logits(1, vocab=200)
     params = SamplingParams(n=4, best_of=5, temperature=1.0, logprobs=2)
-    fork = run(logits, [Row(params, seed=42, num_samples=5, output_len=0)])[0]
+    fork = run(logits, [Row(params, seed=42, num_samples=5, output_len=0)], noise=noise)[0]
     assert len(fork.token_ids) == len(fork.cumulative_logprob_deltas) == len(fork.logprobs or []) == 5
     for k in range(5):
-        child = run(logits, [Row(params, seed=42, sample_index=k, output_len=0)])[0]
+        child = run(logits, [Row(params, seed=42, sample_index=k, output_len=0)], noise=noise)[0]
         assert child.token_ids[0] == fork.token_ids[k]
         assert child.cumulative_logprob_deltas[0] == fork.cumulative_logprob_deltas[k]
         assert fork.logprobs is not None and child.logprobs == [fork.logprobs[k]]
@@ -448,3 +467,42 @@ def test_grammar_mask_restricts_greedy_and_sampled_rows_only_where_given() -> No
     assert out[0].cumulative_logprob_deltas[0] == pytest.approx(
         torch.log_softmax(logits[0], -1)[out[0].token_ids[0]].item()
     )
+
+
+def _int64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def test_tensor_noise_keys_are_the_python_keys_bit_for_bit() -> None:
+    # int64 add/multiply wrap modulo 2^64: the tensor hash must equal the unsigned Python one.
+    gen = torch.Generator().manual_seed(0)
+    triples = [tuple(int(v) for v in torch.randint(-(2**62), 2**62, (3,), generator=gen)) for _ in range(300)]
+    triples += [(2**64 - 1, 2**63, 7), (-1, 0, 0), (0, 0, 0)]
+    cols = [torch.tensor([_int64(t[i]) for t in triples]) for i in range(3)]
+    assert noise_keys(*cols).tolist() == [_int64(noise_seed(*t)) for t in triples]
+
+
+def test_grid_race_draws_what_the_support_race_draws() -> None:
+    # The CUDA road races over the whole grid, the CPU road over the support: same noise, same draws.
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 500, generator=gen)
+    probs[probs < 0.7] = 0.0  # truncated rows (top-k/p, min-p) of different supports
+    probs[5] = 0.0
+    probs[5, 123] = 1.0  # a one-token support
+    keys = torch.randint(-(2**62), 2**62, (64,), generator=gen)
+    support_draws = race_over_support(probs.clone(), keys)
+    assert torch.equal(race_over_grid(probs.clone(), keys), support_draws)
+    assert support_draws[5] == 123
+    assert bool((probs.gather(1, support_draws[:, None]) > 0).all())
+
+
+def test_counter_noise_is_not_the_generator_noise_and_unknown_sources_are_refused() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: every draw is pure noise
+    rows = [Row(SamplingParams(), seed=s) for s in range(20)]
+    generator = [run(logits, [r], noise="generator")[0].token_ids[0] for r in rows]
+    counter = [run(logits, [r], noise="counter")[0].token_ids[0] for r in rows]
+    assert generator != counter
+    assert run(logits, rows[:1]) == run(logits, rows[:1], noise="generator")  # the CPU's default
+    with pytest.raises(ValueError, match="noise must be one of"):
+        Sampler("philox")

@@ -23,6 +23,7 @@ from model_exec.source import read_model_config, resolve_model
 from ops.attention import get_attn_backend
 from tests.helpers.family_parity import (
     assert_engine_matches_hf,
+    assert_gloo_tp_matches_hf,
     assert_prefill_matches_hf,
     hf_model,
 )
@@ -129,3 +130,8 @@ def test_gelu_tanh_gate_is_hfs() -> None:
     x = 3 * torch.randn(7, 2 * 96)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(GeluTanhAndMul()(x), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
+@pytest.mark.parametrize("world_size", (2,))
+def test_tp_over_gloo_processes_matches_hf(gemma2_dir: str, world_size: int, tmp_path: Path) -> None:
+    assert_gloo_tp_matches_hf(gemma2_dir, world_size, tmp_path)

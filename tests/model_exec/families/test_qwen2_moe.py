@@ -11,7 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from model_exec.config import ModelConfig
-from tests.helpers.family_parity import assert_engine_matches_hf, assert_prefill_matches_hf
+from tests.helpers.family_parity import (
+    assert_engine_matches_hf,
+    assert_gloo_tp_matches_hf,
+    assert_prefill_matches_hf,
+)
 from tests.helpers.tiny_models import make_tiny_model
 
 
@@ -64,3 +68,8 @@ def test_engine_matches_hf(model_dir: str) -> None:
 @pytest.mark.usefixtures("ray_session")
 def test_engine_tp2_over_ray_matches_hf(model_dir: str) -> None:
     assert_engine_matches_hf(model_dir, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("world_size", (2,))
+def test_tp_over_gloo_processes_matches_hf(model_dir: str, world_size: int, tmp_path: Path) -> None:
+    assert_gloo_tp_matches_hf(model_dir, world_size, tmp_path)

@@ -3,9 +3,15 @@ untied head; GQA 8 q / 4 KV heads so TP 1, 2 and 4 split them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers.family_parity import assert_engine_matches_hf, assert_prefill_matches_hf
+from tests.helpers.family_parity import (
+    assert_engine_matches_hf,
+    assert_gloo_tp_matches_hf,
+    assert_prefill_matches_hf,
+)
 from tests.helpers.tiny_models import BOS_ID, EOS_ID, make_tiny_model
 
 
@@ -66,3 +72,8 @@ def test_qwen3_registry_row() -> None:
 
     assert ARCHITECTURES["Qwen3ForCausalLM"].model_type == "qwen3"
     assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_tp_over_gloo_processes_matches_hf(qwen3: str, world_size: int, tmp_path: Path) -> None:
+    assert_gloo_tp_matches_hf(qwen3, world_size, tmp_path)
