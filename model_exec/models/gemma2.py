@@ -28,7 +28,7 @@ from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_exec.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_exec.layers.norm import GemmaRMSNorm
 from model_exec.layers.rotary import RopeAngles, RotaryEmbedding
-from model_exec.models.loading import CheckpointLoader, ShardId
+from model_exec.models.loading import STACKED_QKV_GATE_UP, STACKED_QKV_GATE_UP_SHARD_IDS, CheckpointLoader, ShardId
 from model_exec.parallel import TPGroup
 from ops.attention.base import AttentionBackend, AttentionMetadata
 
@@ -225,14 +225,8 @@ class Gemma2Model(nn.Module):
 
 class Gemma2ForCausalLM(CheckpointLoader):
     model_class: ClassVar[type[Gemma2Model]] = Gemma2Model
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-    packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = {
-        "qkv_proj": ("q", "k", "v"),
-        "gate_up_proj": (0, 1),
-    }
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = STACKED_QKV_GATE_UP
+    packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = STACKED_QKV_GATE_UP_SHARD_IDS
 
     def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()

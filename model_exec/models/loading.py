@@ -23,6 +23,15 @@ from model_exec.layers.linear import FUSED, default_weight_loader
 ShardId = str | int | tuple[int, str] | None
 
 
+# The usual stacking: q, k, v projections into one qkv_proj, gate and up into one gate_up_proj (the shard ids
+# are what QKVParallelLinear's and GateUpParallelLinear's weight_loaders expect).
+STACKED_QKV_GATE_UP: dict[str, list[str]] = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+STACKED_QKV_GATE_UP_SHARD_IDS: dict[str, tuple[ShardId, ...]] = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
+
+
 class CheckpointLoader(nn.Module):
     """Mixin for model classes: `load_weights` from (HF name, full tensor) pairs."""
 
