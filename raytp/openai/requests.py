@@ -138,7 +138,6 @@ def _or_default(value: Any, name: str, defaults: Mapping[str, Any]) -> Any:
     return defaults.get(name, _BUILTIN[name])
 
 
-
 def to_sampling_params(
     req: SamplingFields,
     *,
