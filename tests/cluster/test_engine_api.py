@@ -6,6 +6,7 @@ One engine serves the whole module; after every test all KV blocks must be free 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ FRANCE = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: 2018-0
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(None, max_model_len=1024, block_size=16)
+def llm() -> Iterator[LLM]:
+    llm = LLM(None, max_model_len=1024, block_size=16)
+    yield llm
+    llm.llm_engine.shutdown()  # its KV pool (GiBs) would otherwise outlive the module in the test process
 
 
 @pytest.fixture(autouse=True)

@@ -84,8 +84,10 @@ PROMPT = [{"role": "user", "content": "Answer with JSON only."}]
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(None, max_model_len=1024, block_size=16)
+def llm() -> Iterator[LLM]:
+    llm = LLM(None, max_model_len=1024, block_size=16)
+    yield llm
+    llm.llm_engine.shutdown()  # its KV pool (GiBs) would otherwise outlive the module in the test process
 
 
 @pytest.fixture(autouse=True)
