@@ -236,12 +236,15 @@ def test_same_seed_same_output_under_preemption_chunking_and_prefix_cache(llm: L
 @pytest.mark.usefixtures("ray_session")
 def test_tp3_over_ray_matches_tp1() -> None:
     prompts = [f"Record {i}:" for i in range(6)]
-    one = LLM(None, max_model_len=256, block_size=16)
+    # 256 MiB of KV per rank (~5.8k tokens; 6 rows of at most 256 need 1.5k): the default 4 GiB per rank
+    # would put 12 GiB of zero-filled pools on the test machine at once
+    small = dict(max_model_len=256, block_size=16, kv_cache_memory_bytes=256 << 20)
+    one = LLM(None, **small)
     try:
         reference = _samples(one, prompts, range(6))
     finally:
         one.llm_engine.shutdown()
-    three = LLM(None, max_model_len=256, block_size=16, tensor_parallel_size=3, distributed_executor_backend="ray")
+    three = LLM(None, tensor_parallel_size=3, distributed_executor_backend="ray", **small)
     try:
         assert _samples(three, prompts, range(6)) == reference
     finally:
