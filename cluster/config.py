@@ -83,6 +83,9 @@ class EngineConfig:
         "CPU fp32: run linear layers on raytp's panel-packed GEMM instead of oneDNN (~1.6x faster "
         "single-stream decode, about even for large batches; same bits whatever the batching)",
     )
+    enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT checkpoints) on top of the base model")
+    max_loras: int = _opt(1, "with enable_lora: most distinct adapters in one step's batch")
+    max_lora_rank: int = _opt(16, "with enable_lora: the highest adapter rank accepted")
     disable_log_stats: bool = _opt(False, "record no engine metrics (vLLM's flag; Ray Serve's own series remain)")
 
     def __post_init__(self) -> None:
@@ -117,6 +120,10 @@ class EngineConfig:
             raise ValueError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; got {self.placement_strategy!r}."
             )
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")
 

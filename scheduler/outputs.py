@@ -33,6 +33,7 @@ class NewSeqData:
     sampling_params: SamplingParams  # the request's params (rank 0 samples with them)
     seed: int  # the sequence's RNG seed (request seed or engine-drawn), combined with the step for noise
     sample_index: int  # which of the request's best_of samples this sequence is (seeds differ per sample)
+    lora_id: int = 0  # the request's LoRARequest.lora_int_id (scheduler/lora.py); 0 (NO_LORA): the base model
 
 
 @dataclass
