@@ -52,9 +52,14 @@ def read_adapter_config(lora: LoRARequest, max_lora_rank: int) -> AdapterConfig:
     if rank > max_lora_rank:
         raise LoRAError(f"{where}: rank {rank} is over max_lora_rank={max_lora_rank}.", code="lora_rank_exceeded")
     # Settings that change the arithmetic or the weights' layout; each off (or absent) is plain LoRA.
-    offs: dict[str, object] = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None}
-    offs["layers_to_transform"] = None
-    offs |= {"rank_pattern": {}, "alpha_pattern": {}}
+    offs: dict[str, object] = {
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
     unsupported = [f"{key}={raw[key]!r}" for key, off in offs.items() if raw.get(key) not in (None, off)]
     if raw.get("bias", "none") != "none":
         unsupported.append(f"bias={raw['bias']!r}")
