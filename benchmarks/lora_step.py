@@ -12,8 +12,9 @@ One decode step of `--rows` sequences, each with `--context` tokens already in i
 
 The adapters are random PEFT checkpoints written to a temporary folder (adapter_config.json +
 adapter_model.safetensors, PEFT's names and shapes) and loaded through `LoRAManager.add`, as a worker does.
-Rounds are interleaved (each round times every variant once, so a busy moment of a shared machine hits all of
-them); milliseconds per step, median and min over `--rounds` after one warm-up, and the ratio to `base`.
+Rounds are interleaved (each round times every variant once, in the reverse order of the round before, so a busy
+moment of a shared machine hits all of them); milliseconds per step, median and min over `--rounds` after three
+warm-up rounds, and each one's ratio to `base`.
 """
 
 from __future__ import annotations
@@ -135,18 +136,21 @@ def main() -> None:
         f"lora, {args.adapters}": Variant(lora_net, config, manager, spread, args.context),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for v in variants.values():  # warm-up
-        v.run()
-    for _ in range(args.rounds):
-        for name, v in variants.items():
+    for _ in range(3):  # warm-up
+        for v in variants.values():
+            v.run()
+    order = list(variants.items())
+    for _ in range(args.rounds):  # every round times each variant once, in the reverse order of the last
+        order.reverse()
+        for name, v in order:
             times[name].append(v.run())
-    base = statistics.median(times["base"])
+    base, base_min = statistics.median(times["base"]), min(times["base"])
     print(f"SmolLM2-135M (embedded), fp32 CPU, {args.threads} threads: one decode step of {args.rows} rows, "
           f"context {args.context}; {args.adapters} adapters of rank {args.rank} on q,k,v,o,gate,up,down")  # fmt: skip
     print(f"ms per step, median (min) of {args.rounds} interleaved rounds\n")
     for name, t in times.items():
         med = statistics.median(t)
-        print(f"{name:<16}{med:9.2f} ({min(t):7.2f})   x{med / base:.3f}")
+        print(f"{name:<16}{med:9.2f} ({min(t):7.2f})   x{med / base:.3f} (min x{min(t) / base_min:.3f})")
 
 
 if __name__ == "__main__":
