@@ -129,3 +129,26 @@ def test_qwen2_moe_adapter_on_attention_shared_expert_and_dense_mlp(tmp_path: Pa
     model = make_tiny_model(tmp_path / "qwen2-moe", config)
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=8, seed=4)
     _assert_matches_merged(model, adapter, world_sizes=(1, 2))
+
+
+def _family_config(family: str) -> object:
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from tests.model_exec.families.test_gemma2 import TINY_GEMMA2
+    from tests.model_exec.families.test_gemma3 import TINY_GEMMA3
+    from tests.model_exec.families.test_qwen3 import qwen3_config
+
+    if family == "gemma2":
+        return Gemma2Config(**TINY_GEMMA2)
+    if family == "gemma3":
+        return Gemma3TextConfig(**TINY_GEMMA3)
+    return qwen3_config()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3"])
+def test_other_families_with_every_projection_adapted(family: str, tmp_path: Path) -> None:
+    """Families with their own attention or MLP modules (Gemma 2/3: GELU MLP, soft-caps, sandwich norms; Qwen3:
+    q/k norms between the projection and the rotation) take adapters through the same linear layers."""
+    model = make_tiny_model(tmp_path / family, _family_config(family))
+    adapter = make_peft_adapter(model, tmp_path / "adapter", rank=8, seed=5, weights_scale=0.5)
+    _assert_matches_merged(model, adapter, world_sizes=(2,))
