@@ -114,7 +114,7 @@ class LoRAManager:
             name, part_ids = self._place(hf_module, config, where)
             pieces.setdefault(name, []).append(Piece(hf_module, part_ids, pair))
         for hf in sorted(model_names):  # every module a target names has its weights
-            if hf.rpartition(".")[2] in config.target_modules and hf not in pairs:
+            if config.targets(hf) and hf not in pairs:
                 raise LoRAError(f"{where}: no weights for {hf}, which target_modules names")
         built: dict[str, LoRAWeights] = {}
         for name, layer_pieces in pieces.items():
@@ -129,11 +129,10 @@ class LoRAManager:
 
     def _place(self, hf_module: str, config: AdapterConfig, where: str) -> tuple[str, tuple[str | int | None, ...]]:
         """(raytp module name, the parts of it that `hf_module` covers), or LoRAError naming the module."""
-        last = hf_module.rpartition(".")[2]
         if ".experts." in f"{hf_module}.":
             raise LoRAError(f"{where}: {hf_module} is inside a MoE layer's experts, which LoRA does not adapt here")
-        if last not in config.target_modules:
-            raise LoRAError(f"{where}: weights for {hf_module}, but target_modules does not name {last}")
+        if not config.targets(hf_module):
+            raise LoRAError(f"{where}: weights for {hf_module}, but target_modules does not name it")
         target = self.model.checkpoint_param(f"{hf_module}.weight")
         name = target[0].removesuffix(".weight") if target is not None else None
         if name is None or name not in self.layers:

@@ -94,7 +94,7 @@ def _broken_adapters(root: Path, model: str, good: str) -> list[tuple[str, str]]
         ),
         (
             _variant(good, root / "extra", config=lambda c: c.update(target_modules=["q_proj", "k_proj", "v_proj"])),
-            "mlp.down_proj, but target_modules does not name down_proj",
+            "weights for model.layers.0.mlp.down_proj, but target_modules does not name it",
         ),
         (
             _variant(good, root / "junk", lambda t: {**t, "base_model.model.lm_head.weight": torch.zeros(2, 2)}),

@@ -152,3 +152,12 @@ def test_other_families_with_every_projection_adapted(family: str, tmp_path: Pat
     model = make_tiny_model(tmp_path / family, _family_config(family))
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=8, seed=5, weights_scale=0.5)
     _assert_matches_merged(model, adapter, world_sizes=(2,))
+
+
+def test_targets_named_by_path_adapt_only_those_layers(llama: tuple[str, str], tmp_path: Path) -> None:
+    """PEFT's target_modules entries match a module's name or its dotted suffix: layer 1's q_proj alone, v_proj
+    everywhere. The other layers' q_proj have no weights and are not expected to."""
+    model, _ = llama
+    targets = ("model.layers.1.self_attn.q_proj", "v_proj")
+    adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, seed=6, targets=targets)
+    _assert_matches_merged(model, adapter, world_sizes=(1,))
