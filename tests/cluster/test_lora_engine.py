@@ -5,6 +5,7 @@ engine serving on after each, load on first use, removal refused while in use, a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import threading
@@ -297,3 +298,49 @@ def test_engine_loop_loads_on_its_step_thread(
         await loop.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_lora_requests_info(model: str, adapters: dict[str, LoRARequest], monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.engine_stats import EngineStatsCollector
+    from cluster.metrics import ray_metrics
+    from cluster.metrics.stats import LoRAStats
+
+    engine = make_engine(model, max_loras=1)
+    collector = EngineStatsCollector(engine.scheduler, engine.block_manager, engine.loras)
+    engine.add_request("a", PROMPT, GREEDY, lora_request=adapters["sql"])
+    engine.add_request("b", PROMPT, GREEDY, lora_request=adapters["chat"])
+    engine.add_request("c", PROMPT, GREEDY)
+    engine.step()
+    assert collector.scheduler_stats().lora == LoRAStats(("sql",), ("chat",), 1)
+    run_all(engine)
+    assert collector.scheduler_stats().lora == LoRAStats((), (), 1)
+    off = make_engine(model, enable_lora=False)
+    assert EngineStatsCollector(off.scheduler, off.block_manager, off.loras).scheduler_stats().lora is None
+
+    class Keeper:
+        def __init__(self) -> None:
+            self.live: dict[frozenset[tuple[str, str]], float] = {}
+
+        def set(self, d: Any, tags: dict[str, str], value: float) -> None:
+            if d.name == "raytp:lora_requests_info":
+                self.live[frozenset(tags.items())] = value
+
+        def forget(self, tags: dict[str, str]) -> None:
+            self.live = {k: v for k, v in self.live.items() if not set(tags.items()) <= k}
+
+    keeper = Keeper()
+    monkeypatch.setattr(ray_metrics, "_keeper", keeper)
+    monkeypatch.setattr(ray_metrics, "_count", lambda *args: None)
+    monkeypatch.setattr(ray_metrics, "_zero", lambda *args: None)
+    recorder = ray_metrics.EngineMetrics("m", "r0")
+    stats = collector.scheduler_stats()
+    recorder.record_scheduler_stats(dataclasses.replace(stats, lora=LoRAStats(("sql",), ("chat", "x"), 1)))
+    recorder.record_scheduler_stats(dataclasses.replace(stats, lora=LoRAStats(("chat",), (), 1)))
+    (labels,) = keeper.live  # the previous label set is no longer refreshed
+    assert dict(labels) == {
+        "model_name": "m",
+        "replica": "r0",
+        "running_lora_adapters": "chat",
+        "waiting_lora_adapters": "",
+        "max_lora": "1",
+    }
