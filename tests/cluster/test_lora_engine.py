@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ class FakeExecutor(Executor):
         self.seq_lora: dict[int, int] = {}
         self.step_loras: list[set[int]] = []
         self.fail_next_load: Exception | None = None
+        self.load_seconds = 0.0
 
     def determine_num_blocks(self) -> tuple[int, int]:
         return 64, 16
@@ -61,6 +63,7 @@ class FakeExecutor(Executor):
         if self.fail_next_load is not None:
             error, self.fail_next_load = self.fail_next_load, None
             raise error
+        time.sleep(self.load_seconds)
         self.loads.append((lora.lora_name, threading.current_thread().name))
         self.loaded[lora.lora_int_id] = lora
 
@@ -293,6 +296,13 @@ def test_engine_loop_loads_on_its_step_thread(
         assert await loop.remove_lora(2) is True
         assert await loop.remove_lora(2) is False
         assert list(ex.loaded) == [1]
+        # a caller that goes away mid-load does not cut the load between the ranks and the registry
+        ex.load_seconds = 0.3
+        waiting = asyncio.get_running_loop().create_task(collect("gone", adapters["chat"]))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        assert await loop.add_lora(adapters["chat"]) is False  # waited for the load in flight
+        assert list(ex.loaded) == [1, 2] and [a.lora_int_id for a in await loop.list_loras()] == [1, 2]
         stats = await loop.get_stats()
         assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
         await loop.shutdown()
