@@ -13,6 +13,7 @@ changes, so a LoRAError leaves the rank as it was.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 
 from model_exec.layers.linear import FUSED, ColumnParallelLinear, LinearBase, RowParallelLinear
 from model_exec.lora.checkpoint import ModulePair, group_by_module, read_lora_tensors
@@ -56,13 +57,14 @@ class LoRAManager:
         except LoRAError as e:
             raise LoRAError(f"{where}: {e}") from None
         weights = self._build(group_by_module(tensors, where), config, where)
-        for name, layer in self.layers.items():  # commit: nothing below raises
-            assert layer.lora is not None
-            if name in weights:
-                layer.lora.adapters[lora.lora_int_id] = weights[name]
-            else:
-                layer.lora.adapters.pop(lora.lora_int_id, None)
-        self.loaded[lora.lora_int_id] = lora
+        with self.context.between_steps():  # commit: nothing below raises
+            for name, layer in self.layers.items():
+                assert layer.lora is not None
+                if name in weights:
+                    layer.lora.adapters[lora.lora_int_id] = weights[name]
+                else:
+                    layer.lora.adapters.pop(lora.lora_int_id, None)
+            self.loaded[lora.lora_int_id] = lora
         size = sum(w.nbytes for w in weights.values())
         logger.info(
             "loaded %s (id %d, rank %d): %d layers, %.1f MiB",
@@ -70,17 +72,22 @@ class LoRAManager:
         )
 
     def remove(self, lora_int_id: int) -> bool:
-        if self.loaded.pop(lora_int_id, None) is None:
-            return False
-        for layer in self.layers.values():
-            assert layer.lora is not None
-            layer.lora.adapters.pop(lora_int_id, None)
-        return True
+        with self.context.between_steps():
+            if self.loaded.pop(lora_int_id, None) is None:
+                return False
+            for layer in self.layers.values():
+                assert layer.lora is not None
+                layer.lora.adapters.pop(lora_int_id, None)
+            return True
 
     def lora_ids(self) -> list[int]:
         return sorted(self.loaded)
 
     # ------------------------------------------------------------------ steps
+    def batch(self, row_lora_ids: list[int], starts: list[int]) -> AbstractContextManager[StepLoRA | None]:
+        """The context to run one forward in: its rows' adapters (`step`) set for the LoRA layers."""
+        return self.context.use(lambda: self.step(row_lora_ids, starts))
+
     def step(self, row_lora_ids: list[int], starts: list[int]) -> StepLoRA | None:
         """The step's token groups (`StepLoRA.from_rows`), after checking every adapter named is loaded and
         that the step holds at most max_loras of them (the controller never sends otherwise)."""

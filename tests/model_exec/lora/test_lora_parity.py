@@ -98,3 +98,34 @@ def test_qwen2_adapter_on_q_and_v_with_rslora(tmp_path: Path) -> None:
         model, tmp_path / "adapter", rank=16, seed=3, targets=("q_proj", "v_proj", "down_proj"), use_rslora=True
     )
     _assert_matches_merged(model, adapter, world_sizes=(2,))
+
+
+def test_qwen2_moe_adapter_on_attention_shared_expert_and_dense_mlp(tmp_path: Path) -> None:
+    """Every projection targeted: HF's MoE experts are fused parameters, not Linear modules, so PEFT adapts the
+    attention, the shared expert (a row-parallel down_proj whose partial sum the MoE block reduces together with
+    the experts') and the dense layer's MLP; the routed experts stay the base model's."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        initializer_range=0.3,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    model = make_tiny_model(tmp_path / "qwen2-moe", config)
+    adapter = make_peft_adapter(model, tmp_path / "adapter", rank=8, seed=4)
+    _assert_matches_merged(model, adapter, world_sizes=(1, 2))
