@@ -10,6 +10,7 @@ and rsLoRA scaling.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,12 +39,35 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return model, make_peft_adapter(model, root / "adapter", rank=8, seed=1)
 
 
+def _unpacked_model(model_dir: str) -> tuple[torch.nn.Module, Any]:
+    """Our model with its dense weights (no pack_weights): F.linear, and LoRA's dense products."""
+    from model_exec.models import build_model
+    from model_exec.source import read_model_config, resolve_model
+    from model_exec.weights import iter_weights
+    from ops.attention import get_attn_backend
+
+    src = resolve_model(model_dir)
+    config = read_model_config(src)
+    net = build_model(config, TPGroup.single(), get_attn_backend("torch", "cpu"), "cpu", torch.float32)
+    net.load_weights(iter_weights(src))
+    return net, config
+
+
 def _lora_logits(
-    model_dir: str, adapter: str, tp: TPGroup, prompts: list[list[int]], first_chunk: int | None = None
+    model_dir: str,
+    adapter: str,
+    tp: TPGroup,
+    prompts: list[list[int]],
+    first_chunk: int | None = None,
+    packed: bool = True,
 ) -> list[torch.Tensor] | None:
-    net, config = load_our_model(model_dir, tp)
+    net, config = load_our_model(model_dir, tp) if packed else _unpacked_model(model_dir)
     manager = LoRAManager(net, max_loras=1, max_lora_rank=16)  # type: ignore[arg-type]
     manager.add(LoRARequest("a", 1, adapter))
+    for layer in manager.layers.values():  # LoRA runs on the panel kernel exactly where the base layer does
+        assert layer.lora is not None
+        w = layer.lora.adapters.get(1)  # None: the adapter does not target this layer
+        assert w is None or w.panels == (layer.panel_weight is not None)
     return our_lora_prefill_logits(net, manager, config, prompts, [1] * len(prompts), tp, first_chunk=first_chunk)
 
 
@@ -60,6 +84,13 @@ def _assert_matches_merged(model_dir: str, adapter: str, world_sizes: tuple[int,
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_llama_prefill_with_adapter_matches_hf_merged(llama: tuple[str, str], world_size: int) -> None:
     _assert_matches_merged(*llama, world_sizes=(world_size,))
+
+
+def test_llama_dense_weights_with_adapter_match_hf_merged(llama: tuple[str, str]) -> None:
+    """The road without the panel kernel (CUDA, oneDNN or dense CPU weights): LoRA's products through matmul."""
+    model, adapter = llama
+    ours = _lora_logits(model, adapter, TPGroup.single(), PREFILL_PROMPTS, packed=False)
+    assert_logits_match(ours, hf_prefill_logits(hf_merged_model(model, adapter), PREFILL_PROMPTS))
 
 
 def test_llama_chunked_prefill_over_cached_context_with_adapter(llama: tuple[str, str]) -> None:
