@@ -6,11 +6,10 @@ engine's own chaining), rooted at its LoRA adapter: the same tokens under two ad
 they never share keys. The router remembers, per replica, the keys it sent there (an LRU bounded per
 replica) and reads the replicas' queue lengths from Serve's queue-length cache (probing the ones it lacks).
 
-Policy (`rank_replicas`, a pure function):
-- the replica holding the longest matching prefix, if its queue is at most the shortest queue plus
-  `imbalance_threshold`;
-- otherwise (too busy, or nothing matches) the least loaded replica: Serve picks the shortest queue among
-  the candidates it is given, ties broken at random.
+Policy (`rank_replicas`, a pure function; its bounds are `RoutingPolicy`):
+- the replica holding the longest matching prefix, if that prefix covers at least `min_match_ratio` of
+  the prompt's blocks and its queue is at most the shortest queue plus `imbalance_threshold`;
+- otherwise (too busy, a short match, or none) the least loaded replica, ties broken at random.
 A hot prefix therefore spills to a second replica once its first holds `imbalance_threshold` more requests
 than the least loaded one; that replica then caches it too, and both match from then on.
 
@@ -30,12 +29,12 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from ray.serve._private.common import ReplicaID
 from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kv.prefix_cache import BlockHash, hash_block
 
@@ -44,7 +43,28 @@ DEFAULT_MAX_BLOCKS_PER_REPLICA = 1 << 16  # 64 Ki keys (~10 MiB with the dict) p
 DEFAULT_IMBALANCE_THRESHOLD = 8  # requests in flight (Serve's queue length) over the least loaded replica
 GENERATE_METHOD = "generate"  # the LLMServer method whose requests are keyed; all others go least loaded
 
+DEFAULT_MIN_MATCH_RATIO = 0.5  # of the prompt's blocks; SGLang's router's cache_threshold
+
 R = TypeVar("R", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """When affinity wins over load: both bounds must hold for the replica with the longest match."""
+
+    # Most requests (Serve's queue length: in flight at the replica) the holder may have over the least
+    # loaded replica; above it the request goes least loaded, and the prefix gets a second holder.
+    imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD
+    # Least share of the prompt's blocks the match must cover. Below it the match is a shared preamble (a
+    # system prompt every replica soon holds) rather than this conversation: following it would pile
+    # every new conversation onto whichever replica served the first one.
+    min_match_ratio: float = DEFAULT_MIN_MATCH_RATIO
+
+    def __post_init__(self) -> None:
+        if self.imbalance_threshold < 0:
+            raise ValueError(f"imbalance_threshold must be non-negative, got {self.imbalance_threshold}.")
+        if not 0.0 <= self.min_match_ratio <= 1.0:
+            raise ValueError(f"min_match_ratio must be in [0, 1], got {self.min_match_ratio}.")
 
 
 def prompt_keys(token_ids: Sequence[int], block_size: int, adapter_id: int | None) -> list[BlockHash]:
@@ -57,16 +77,16 @@ def prompt_keys(token_ids: Sequence[int], block_size: int, adapter_id: int | Non
     return keys
 
 
-class PrefixTable:
+class PrefixTable(Generic[R]):
     """Per replica, the block keys routed there, least recently routed evicted first."""
 
     def __init__(self, max_blocks_per_replica: int) -> None:
         if max_blocks_per_replica < 1:
             raise ValueError(f"max_blocks_per_replica must be at least 1, got {max_blocks_per_replica}.")
         self._max = max_blocks_per_replica
-        self._keys: dict[Hashable, OrderedDict[BlockHash, None]] = {}
+        self._keys: dict[R, OrderedDict[BlockHash, None]] = {}
 
-    def record(self, replica: Hashable, keys: Sequence[BlockHash]) -> None:
+    def record(self, replica: R, keys: Sequence[BlockHash]) -> None:
         table = self._keys.setdefault(replica, OrderedDict())
         # Invariant: a prompt's leading key is its most recently used one (touched last), so eviction takes
         # a chain from its tail; a chain cut at its head would make every later key unmatchable.
@@ -76,9 +96,9 @@ class PrefixTable:
         while len(table) > self._max:
             table.popitem(last=False)
 
-    def matches(self, keys: Sequence[BlockHash], replicas: Iterable[Hashable]) -> dict[Hashable, int]:
+    def matches(self, keys: Sequence[BlockHash], replicas: Iterable[R]) -> dict[R, int]:
         """Leading keys of `keys` recorded for each replica (0 for a replica with none)."""
-        out: dict[Hashable, int] = {}
+        out: dict[R, int] = {}
         for replica in replicas:
             table = self._keys.get(replica)
             n = 0
@@ -90,41 +110,46 @@ class PrefixTable:
             out[replica] = n
         return out
 
-    def retain(self, replicas: Iterable[Hashable]) -> None:
+    def retain(self, replicas: Iterable[R]) -> None:
         """Forget every replica not in `replicas` (it left the deployment)."""
         keep = set(replicas)
         for gone in [r for r in self._keys if r not in keep]:
             del self._keys[gone]
 
-    def num_blocks(self, replica: Hashable) -> int:
+    def num_blocks(self, replica: R) -> int:
         return len(self._keys.get(replica, ()))
 
-    def replicas(self) -> set[Hashable]:
+    def replicas(self) -> set[R]:
         return set(self._keys)
 
 
 def rank_replicas(
     candidates: Sequence[R],
     matched_blocks: Mapping[R, int],
+    num_blocks: int,
     queue_lens: Mapping[R, int | None],
-    imbalance_threshold: int,
+    policy: RoutingPolicy,
     rng: random.Random,
 ) -> list[list[R]]:
-    """Ranks of candidates, most preferred first; Serve sends to the shortest queue of the first rank that
-    has a replica with room. A replica whose queue length is unknown counts as empty (Serve probes it)."""
+    """[[the chosen replica], the others]: Serve sends to the first rank with room (the others only when
+    the chosen one refuses, its queue full). `num_blocks`: the request's full blocks, of which
+    `matched_blocks` counts the leading ones each replica holds. A replica whose queue length is unknown
+    counts as empty (Serve probes it before sending)."""
     if not candidates:
         return []
     load = {r: queue_lens.get(r) or 0 for r in candidates}
     least = min(load.values())
     shuffled = list(candidates)
-    rng.shuffle(shuffled)  # ties among equal queues go to a random replica, not the first listed
+    rng.shuffle(shuffled)  # ties go to a random replica, not the first listed
     best = max((matched_blocks.get(r, 0) for r in candidates), default=0)
-    if best > 0:
-        holders = [r for r in shuffled if matched_blocks.get(r, 0) == best and load[r] <= least + imbalance_threshold]
-        if holders:
-            rest = [r for r in shuffled if r not in holders]
-            return [holders, rest] if rest else [holders]
-    return [shuffled]
+    pool = shuffled
+    if best > 0 and best >= policy.min_match_ratio * num_blocks:
+        bound = least + policy.imbalance_threshold
+        holders = [r for r in shuffled if matched_blocks.get(r, 0) == best and load[r] <= bound]
+        pool = holders or shuffled
+    chosen = min(pool, key=lambda r: load[r])  # the first of the least loaded: a random one of them
+    rest = [r for r in shuffled if r != chosen]
+    return [[chosen], rest] if rest else [[chosen]]
 
 
 def adapter_id(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
@@ -145,15 +170,14 @@ class PrefixAwareRouter(RequestRouter):
         block_size: int = DEFAULT_ROUTING_BLOCK_SIZE,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
         imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+        min_match_ratio: float = DEFAULT_MIN_MATCH_RATIO,
         seed: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
-        if imbalance_threshold < 0:
-            raise ValueError(f"imbalance_threshold must be non-negative, got {imbalance_threshold}.")
         self._block_size = block_size
-        self._threshold = imbalance_threshold
-        self._table = PrefixTable(max_blocks_per_replica)
+        self._policy = RoutingPolicy(imbalance_threshold, min_match_ratio)
+        self._table: PrefixTable[ReplicaID] = PrefixTable(max_blocks_per_replica)
         self._rng = random.Random(seed)
 
     def _keys(self, pending_request: PendingRequest | None) -> list[BlockHash]:
@@ -172,12 +196,12 @@ class PrefixAwareRouter(RequestRouter):
         keys = self._keys(pending_request)
         by_id = {r.replica_id: r for r in candidate_replicas}
         matched = self._table.matches(keys, by_id) if keys else {}
-        queue_lens: dict[ReplicaID, int | None] = {}
-        if any(matched.values()):  # the load bound only matters where affinity could override it
-            queue_lens = await self._queue_lens(candidate_replicas)
-        else:
-            queue_lens = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id}
-        ranks = rank_replicas(list(by_id), matched, queue_lens, self._threshold, self._rng)
+        queue_lens = await self._queue_lens(candidate_replicas)
+        ranks = rank_replicas(list(by_id), matched, len(keys), queue_lens, self._policy, self._rng)
+        if keys and ranks:
+            # Recorded now, not only once the replica accepts (`on_request_routed`, a round trip later):
+            # requests that arrive together with one new prefix then go where the first of them went.
+            self._table.record(ranks[0][0], keys)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int | None]:
@@ -192,6 +216,7 @@ class PrefixAwareRouter(RequestRouter):
         return out
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        # Where the request went, if the chosen replica refused it (full) and a later rank took it.
         keys = self._keys(pending_request)
         if keys:
             self._table.record(replica_id, keys)
@@ -212,7 +237,9 @@ def request_router_config(name: str, block_size: int | None) -> RequestRouterCon
         return RequestRouterConfig()  # Serve's default, PowerOfTwoChoicesRequestRouter
     if name != "prefix":
         raise ValueError(f"unknown request router {name!r}: prefix or pow2")
-    return RequestRouterConfig(
-        request_router_class=PrefixAwareRouter,
-        request_router_kwargs={"block_size": block_size or DEFAULT_ROUTING_BLOCK_SIZE},
-    )
+    # Passed as keywords of type Any: Ray 2.60 annotates RequestRouterConfig's **kwargs as dicts.
+    options: dict[str, Any] = {
+        "request_router_class": f"{__name__}.{PrefixAwareRouter.__name__}",
+        "request_router_kwargs": {"block_size": block_size or DEFAULT_ROUTING_BLOCK_SIZE},
+    }
+    return RequestRouterConfig(**options)

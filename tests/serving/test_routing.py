@@ -16,6 +16,7 @@ from kv.prefix_cache import hash_full_blocks
 from raytp.serve.routing import (
     PrefixAwareRouter,
     PrefixTable,
+    RoutingPolicy,
     adapter_id,
     prompt_keys,
     rank_replicas,
@@ -23,6 +24,8 @@ from raytp.serve.routing import (
 )
 from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
+
+RNG = random.Random(0)
 
 
 def test_keys_are_the_engines_block_chain_for_the_base_model() -> None:
@@ -45,7 +48,7 @@ def test_adapter_id_reads_the_generate_call() -> None:
 
 
 def test_table_matches_the_longest_recorded_prefix_per_replica() -> None:
-    table = PrefixTable(100)
+    table: PrefixTable[str] = PrefixTable(100)
     convo = list(range(64))
     table.record("a", prompt_keys(convo[:32], 16, None))
     table.record("b", prompt_keys(convo[:48], 16, None))
@@ -55,7 +58,7 @@ def test_table_matches_the_longest_recorded_prefix_per_replica() -> None:
 
 
 def test_table_evicts_least_recently_routed_chains_from_their_tail() -> None:
-    table = PrefixTable(4)
+    table: PrefixTable[str] = PrefixTable(4)
     old, new = list(range(48)), list(range(1000, 1032))
     table.record("a", prompt_keys(old, 16, None))  # 3 keys
     table.record("a", prompt_keys(new, 16, None))  # 2 keys: one of old's goes, its last
@@ -68,7 +71,7 @@ def test_table_evicts_least_recently_routed_chains_from_their_tail() -> None:
 
 
 def test_table_forgets_replicas_that_left() -> None:
-    table = PrefixTable(10)
+    table: PrefixTable[str] = PrefixTable(10)
     table.record("a", prompt_keys(list(range(16)), 16, None))
     table.record("b", prompt_keys(list(range(16)), 16, None))
     table.retain(["b"])
@@ -76,22 +79,43 @@ def test_table_forgets_replicas_that_left() -> None:
 
 
 def test_rank_prefers_the_longest_match_within_the_load_bound() -> None:
-    rng = random.Random(0)
-    ranks = rank_replicas(["a", "b", "c"], {"a": 2, "b": 5, "c": 0}, {"a": 0, "b": 3, "c": 0}, 4, rng)
+    policy = RoutingPolicy(imbalance_threshold=4)
+    ranks = rank_replicas(["a", "b", "c"], {"a": 2, "b": 5, "c": 0}, 6, {"a": 0, "b": 3, "c": 0}, policy, RNG)
     assert ranks[0] == ["b"] and sorted(ranks[1]) == ["a", "c"]
 
 
 def test_rank_spills_a_busy_holder_to_the_least_loaded() -> None:
-    ranks = rank_replicas(["a", "b"], {"a": 5, "b": 0}, {"a": 9, "b": 0}, 8, random.Random(0))
-    assert ranks == [["a", "b"]] or ranks == [["b", "a"]]  # one rank: Serve takes the shorter queue (b)
-    ranks = rank_replicas(["a", "b"], {"a": 5, "b": 0}, {"a": 8, "b": 0}, 8, random.Random(0))
-    assert ranks[0] == ["a"]  # exactly at the bound still goes to the prefix
+    policy = RoutingPolicy(imbalance_threshold=8)
+    assert rank_replicas(["a", "b"], {"a": 5, "b": 0}, 5, {"a": 9, "b": 0}, policy, RNG) == [["b"], ["a"]]
+    # exactly at the bound still goes to the prefix
+    assert rank_replicas(["a", "b"], {"a": 5, "b": 0}, 5, {"a": 8, "b": 0}, policy, RNG) == [["a"], ["b"]]
 
 
-def test_rank_without_a_match_offers_every_replica_in_random_order() -> None:
-    firsts = {rank_replicas(["a", "b"], {}, {}, 8, random.Random(seed))[0][0] for seed in range(20)}
+def test_rank_among_equal_holders_takes_the_least_loaded() -> None:
+    policy = RoutingPolicy(imbalance_threshold=8)
+    ranks = rank_replicas(["a", "b", "c"], {"a": 5, "b": 5, "c": 0}, 5, {"a": 3, "b": 1, "c": 0}, policy, RNG)
+    assert ranks[0] == ["b"]
+
+
+def test_rank_ignores_a_match_that_is_only_a_shared_preamble() -> None:
+    policy = RoutingPolicy(min_match_ratio=0.5)
+    assert rank_replicas(["a", "b"], {"a": 2, "b": 0}, 5, {"a": 1, "b": 0}, policy, RNG)[0] == ["b"]  # 2 of 5
+    assert rank_replicas(["a", "b"], {"a": 3, "b": 0}, 5, {"a": 1, "b": 0}, policy, RNG)[0] == ["a"]  # 3 of 5
+
+
+def test_rank_without_a_match_takes_the_least_loaded_ties_at_random() -> None:
+    policy = RoutingPolicy()
+    assert rank_replicas(["a", "b", "c"], {}, 3, {"a": 2, "b": None, "c": 1}, policy, RNG)[0] == ["b"]
+    firsts = {rank_replicas(["a", "b"], {}, 3, {}, policy, random.Random(seed))[0][0] for seed in range(20)}
     assert firsts == {"a", "b"}
-    assert rank_replicas([], {}, {}, 8, random.Random(0)) == []
+    assert rank_replicas([], {}, 3, {}, policy, RNG) == []
+
+
+def test_policy_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        RoutingPolicy(imbalance_threshold=-1)
+    with pytest.raises(ValueError, match="min_match_ratio"):
+        RoutingPolicy(min_match_ratio=1.5)
 
 
 def test_router_config_names() -> None:
@@ -108,6 +132,9 @@ class FakeReplica:
 
     replica_id: ReplicaID
     max_ongoing_requests: int = 100
+
+    async def get_queue_len(self, deadline_s: float) -> int:  # Serve probes a replica it has just learnt of
+        return 0
 
 
 def _router(replicas: list[FakeReplica], threshold: int = 2) -> PrefixAwareRouter:
@@ -126,10 +153,11 @@ def _generate(prompt: list[int], method: str = "generate") -> PendingRequest:
     return PendingRequest(args=["r", prompt, SamplingParams()], kwargs={}, metadata=meta)
 
 
-async def _route(router: PrefixAwareRouter, pr: PendingRequest) -> ReplicaID:
-    """Serve's step: the first rank's shortest queue; then the routed hook, and the queue grows by one."""
+async def _route(router: PrefixAwareRouter, pr: PendingRequest, accepted: bool = True) -> ReplicaID:
+    """Serve's step: the first rank (one replica here) or, if it refuses, the next; then the routed hook,
+    and the replica's queue grows by one."""
     ranks = await router.choose_replicas(router._replicas_list, pr)
-    rid = min(ranks[0], key=lambda r: router.replica_queue_len_cache.get(r.replica_id) or 0).replica_id
+    rid = (ranks[0] if accepted else ranks[1])[0].replica_id
     router.on_request_routed(pr, rid, None)  # type: ignore[arg-type]
     router.on_send_request(rid)
     return rid
@@ -137,8 +165,9 @@ async def _route(router: PrefixAwareRouter, pr: PendingRequest) -> ReplicaID:
 
 def test_router_keeps_a_conversation_on_one_replica_and_bounds_its_load() -> None:
     async def run() -> None:
-        a, b = FakeReplica(ReplicaID("a", DeploymentID("LLMServer", "raytp"))), FakeReplica(
-            ReplicaID("b", DeploymentID("LLMServer", "raytp"))
+        a, b = (
+            FakeReplica(ReplicaID("a", DeploymentID("LLMServer", "raytp"))),
+            FakeReplica(ReplicaID("b", DeploymentID("LLMServer", "raytp"))),
         )
         router = _router([a, b], threshold=2)
         for r in (a, b):
@@ -148,9 +177,19 @@ def test_router_keeps_a_conversation_on_one_replica_and_bounds_its_load() -> Non
         for turn in range(2):  # each turn resends the history plus more; the queue stays within the bound
             convo += list(range(500 + 20 * turn, 520 + 20 * turn))
             assert await _route(router, _generate(convo)) == first
-        # The holder now has 3 in flight, the other 0: over the bound of 2, the next turn spills.
+        # The holder now has 3 in flight, the other 0: over the bound of 2, the next turn spills, and the
+        # prefix has two holders from then on.
         other = await _route(router, _generate(convo + [7] * 20))
         assert other != first
+        assert router._table.matches(prompt_keys(convo, 16, None), [first, other]) == {first: 6, other: 6}
+        # Requests arriving together with a new prefix follow the first of them, before any is accepted.
+        burst = list(range(3000, 3064))
+        ranks = [await router.choose_replicas(router._replicas_list, _generate(burst)) for _ in range(3)]
+        assert len({r[0][0].replica_id for r in ranks}) == 1
+        # A refused request is recorded where it went.
+        fresh = list(range(4000, 4064))
+        went = await _route(router, _generate(fresh), accepted=False)
+        assert router._table.matches(prompt_keys(fresh, 16, None), [went])[went] == 4
         # Calls other than generate are not keyed.
         assert router._keys(_generate(convo, method="model_info")) == []
         # A replica that leaves is forgotten.
