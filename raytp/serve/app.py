@@ -34,7 +34,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         replicas["health_check_period_s"] = sa.health_check_period_s
     if not sa.split_ingress:
         return serve.deployment(name="OpenAIIngress", **replicas)(OpenAIIngress).bind(sa)
-    router = request_router_config(sa.request_router, sa.engine.block_size)
+    router = request_router_config(sa.request_router or "prefix", sa.engine.block_size)
     server = serve.deployment(name="LLMServer", request_router_config=router, **replicas)(LLMServer).bind(sa)
     ingress = serve.deployment(
         name="OpenAIIngress",

@@ -84,12 +84,13 @@ class ServeArgs:
         "replica serves HTTP itself, with no Ray hop per streamed token)",
     )
     ingress_replicas: int | None = _arg(None, "ingress replicas, with --split-ingress (default 1)")
-    # How the ingress picks an LLMServer replica (split_ingress): raytp/serve/routing.py.
-    request_router: RequestRouterName = field(
-        default="prefix",
+    # How the ingress picks an LLMServer replica (split_ingress; raytp/serve/routing.py). Without
+    # split_ingress HAProxy picks the replica (leastconn) and Serve's routers never run, so it is refused there.
+    request_router: RequestRouterName | None = field(
+        default=None,
         metadata={
-            "help": "with --split-ingress: prefix (send a prompt to the replica that holds its prefix's KV, "
-            "within a load bound) or pow2 (Serve's power of two choices)",
+            "help": "with --split-ingress: prefix (the default: send a prompt to the replica that holds its "
+            "prefix's KV, within a load bound) or pow2 (Serve's power of two choices)",
             "choices": REQUEST_ROUTERS,
         },
     )
@@ -116,10 +117,16 @@ class ServeArgs:
                 )
             if self.ingress_replicas < 1:
                 raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
-        if self.request_router not in REQUEST_ROUTERS:
-            raise ValueError(
-                f"request_router must be one of {', '.join(REQUEST_ROUTERS)}; got {self.request_router!r}."
-            )
+        if self.request_router is not None:
+            if self.request_router not in REQUEST_ROUTERS:
+                raise ValueError(
+                    f"request_router must be one of {', '.join(REQUEST_ROUTERS)}; got {self.request_router!r}."
+                )
+            if not self.split_ingress:
+                raise ValueError(
+                    "request_router needs split_ingress: without it HAProxy sends each request to a model "
+                    "replica (leastconn) and no Serve request router runs."
+                )
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:

@@ -197,3 +197,14 @@ def test_router_keeps_a_conversation_on_one_replica_and_bounds_its_load() -> Non
         assert router._table.replicas() <= {b.replica_id}
 
     asyncio.run(run())
+
+
+def test_serve_args_request_router() -> None:
+    from raytp.serve.args import ServeArgs
+
+    assert ServeArgs.from_dict({"split_ingress": True}).request_router is None  # build_app: prefix
+    assert ServeArgs.from_dict({"split_ingress": True, "request_router": "pow2"}).request_router == "pow2"
+    with pytest.raises(ValueError, match="request_router must be one of prefix, pow2"):
+        ServeArgs.from_dict({"split_ingress": True, "request_router": "round_robin"})
+    with pytest.raises(ValueError, match="request_router needs split_ingress"):
+        ServeArgs.from_dict({"request_router": "prefix"})
