@@ -19,9 +19,13 @@ Decisions:
   per replica per request; a stale entry costs one prefill that a cache-blind router would pay anyway.
 - The state lives in each router, i.e. in each ingress replica's handle: with several ingress replicas
   each learns from the requests it routes (no shared actor on the request path).
-- Block size: the engine's when it is configured; else 16 tokens (`DEFAULT_ROUTING_BLOCK_SIZE`), which
-  divides every device default (128 on CPU, 16 or 256 on CUDA), so a prefix the engine would find at its
-  own block size is found here too, and ranked by the same order.
+- Block size: the engine's when it is configured; else 16 tokens (`DEFAULT_ROUTING_BLOCK_SIZE`): the
+  router runs in the ingress, which does not know the device the engines resolved (128 on CPU, 16 or 256
+  on CUDA), and 16 divides each, so every prefix the engine can reuse is matched here and ranked in the
+  same order. The price: a match shorter than one engine block counts here and saves nothing there;
+  `min_match_ratio` keeps such short matches from deciding.
+- Only prompts are keyed, not the answers the engine also caches: a turn whose previous answer is longer
+  than the rest of the history falls under `min_match_ratio` and goes least loaded.
 """
 
 from __future__ import annotations
