@@ -12,6 +12,7 @@ from ray import serve
 from raytp.serve.args import ServeArgs
 from raytp.serve.ingress import OpenAIIngress
 from raytp.serve.replica import LLMServer
+from raytp.serve.routing import request_router_config
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -33,7 +34,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         replicas["health_check_period_s"] = sa.health_check_period_s
     if not sa.split_ingress:
         return serve.deployment(name="OpenAIIngress", **replicas)(OpenAIIngress).bind(sa)
-    server = serve.deployment(name="LLMServer", **replicas)(LLMServer).bind(sa)
+    router = request_router_config(sa.request_router or "prefix", sa.engine.block_size)
+    server = serve.deployment(name="LLMServer", request_router_config=router, **replicas)(LLMServer).bind(sa)
     ingress = serve.deployment(
         name="OpenAIIngress",
         num_replicas=sa.ingress_replicas or 1,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from cluster.config import EngineConfig
 from raytp.openai.chat_settings import ChatSettings
@@ -20,6 +20,8 @@ API_KEY_ENV = "RAYTP_API_KEY"  # read where the app is built and in each ingress
 # Default concurrency of one replica: the engine queues and batches, so Serve should not
 # hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
+RequestRouterName = Literal["prefix", "pow2"]
+REQUEST_ROUTERS: tuple[RequestRouterName, ...] = ("prefix", "pow2")
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 _CHAT_FIELDS = frozenset(f.name for f in dataclasses.fields(ChatSettings))
 
@@ -82,6 +84,16 @@ class ServeArgs:
         "replica serves HTTP itself, with no Ray hop per streamed token)",
     )
     ingress_replicas: int | None = _arg(None, "ingress replicas, with --split-ingress (default 1)")
+    # How the ingress picks an LLMServer replica (split_ingress; raytp/serve/routing.py). Without
+    # split_ingress HAProxy picks the replica (leastconn) and Serve's routers never run, so it is refused there.
+    request_router: RequestRouterName | None = field(
+        default=None,
+        metadata={
+            "help": "with --split-ingress: prefix (the default: send a prompt to the replica that holds its "
+            "prefix's KV, within a load bound) or pow2 (Serve's power of two choices)",
+            "choices": REQUEST_ROUTERS,
+        },
+    )
     max_ongoing_requests: int = _arg(DEFAULT_MAX_ONGOING_REQUESTS, "requests in flight per replica (Serve's limit)")
     max_waiting_requests: int | None = _arg(None, "503 once this many requests wait in a replica for a first token")
     api_key: str | None = _arg(
@@ -105,6 +117,16 @@ class ServeArgs:
                 )
             if self.ingress_replicas < 1:
                 raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
+        if self.request_router is not None:
+            if self.request_router not in REQUEST_ROUTERS:
+                raise ValueError(
+                    f"request_router must be one of {', '.join(REQUEST_ROUTERS)}; got {self.request_router!r}."
+                )
+            if not self.split_ingress:
+                raise ValueError(
+                    "request_router needs split_ingress: without it HAProxy sends each request to a model "
+                    "replica (leastconn) and no Serve request router runs."
+                )
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
