@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_serve_args_parsing() -> None:
     sa = ServeArgs.from_dict({"model": "m", "tensor_parallel_size": 2, "num_replicas": 3, "api_key": "k"})
-    assert sa.engine.model == "m" and sa.engine.tensor_parallel_size == 2 and sa.num_replicas == 3
+    m = sa.model
+    assert m.engine.model == "m" and m.engine.tensor_parallel_size == 2 and m.num_replicas == 3 and not sa.split
     with pytest.raises(ValueError, match="unknown serve arguments: tensor_paralel_size"):
         ServeArgs.from_dict({"tensor_paralel_size": 2})
     with pytest.raises(ValueError, match="exclusive"):
