@@ -24,7 +24,7 @@ from cluster.outputs import RequestDelta
 from raytp.openai.errors import EngineOverloadedError
 from raytp.serve.args import ModelArgs
 from raytp.serve.lora_sync import LoRASync
-from scheduler.lora import LoRARequest
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from cluster.controller import EngineLoop
 
 logger = logging.getLogger(__name__)
+UNLOAD_RETRY_S = 0.5  # an unloaded adapter still in use is retried this often until its requests finish
 
 
 async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, dict[str, Any]]:
@@ -60,9 +61,8 @@ class ModelReplica:
     failed) is observed by `health`, and Serve replaces the replica.
 
     LoRA adapters: the ones served from the start (`--lora-modules`) are loaded before the replica is
-    ready; any other a request names (loaded at runtime through another replica, or before this one was
-    started) is loaded here on first use, once (`_ensure_lora`), and `sync_loras` keeps the resident set
-    equal to the application's registry (raytp/serve/lora_sync.py).
+    ready; any other a request names (loaded at runtime through another replica) the engine loads on first
+    use, and `sync_loras` keeps the resident set equal to the application's registry (lora_sync.py).
     """
 
     def __init__(self, engine: EngineLoop, info: dict[str, Any], max_waiting_requests: int | None) -> None:
@@ -70,9 +70,7 @@ class ModelReplica:
         self._info = info
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
-        # lora_int_id -> the load of that adapter into this replica's engine (done or in progress); ids are
-        # never reused for another checkpoint (the registry numbers them), so a done load stays valid
-        self._loras: dict[int, asyncio.Future[None]] = {}
+        self._unloads: set[asyncio.Task[None]] = set()  # adapters waiting for their requests to finish
 
     @classmethod
     async def start(cls, model: ModelArgs, loras: Sequence[LoRARequest] = ()) -> ModelReplica:
@@ -93,16 +91,13 @@ class ModelReplica:
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the engine's deltas. Closing this stream early (client gone) aborts the request."""
-        if lora_request is not None:
-            await self._ensure_lora(lora_request)  # LoRAError: a 400 naming the adapter
-        extra = {} if lora_request is None else {"lora_request": lora_request}
         self._admit()
         waiting = True  # counted in self._num_waiting until its first delta arrives
         try:
             # aclosing: a stream closed early closes the engine's generator at once, which aborts the
             # request and frees its blocks (not whenever the garbage collector finalizes it).
             async with contextlib.aclosing(
-                self._engine.generate(request_id, prompt_token_ids, params, **extra)
+                self._engine.generate(request_id, prompt_token_ids, params, lora_request)
             ) as deltas:
                 async for delta in deltas:
                     if waiting:
@@ -127,40 +122,44 @@ class ModelReplica:
             )
         self._num_waiting += 1
 
-    async def _ensure_lora(self, lora: LoRARequest) -> None:
-        """The adapter resident in this engine; concurrent first requests share one load."""
-        load = self._loras.get(lora.lora_int_id)
-        if load is None:
-            load = self._loras[lora.lora_int_id] = asyncio.ensure_future(self._engine.add_lora(lora))
-        try:
-            await asyncio.shield(load)  # one request's cancellation must not cancel the others' load
-        except BaseException:
-            if load.done() and self._loras.get(lora.lora_int_id) is load:
-                del self._loras[lora.lora_int_id]  # a failed load is retried by the next request
-            raise
-
     async def add_lora(self, lora: LoRARequest) -> None:
-        """Load `lora` into this engine (raises LoRAError when it cannot be served; nothing changes then)."""
-        await self._ensure_lora(lora)
+        """Load `lora` into this engine (a no-op when it is loaded; LoRAError when it cannot be served, and
+        nothing changes then)."""
+        await self._engine.add_lora(lora)
 
     async def remove_lora(self, lora_int_id: int) -> None:
-        load = self._loras.pop(lora_int_id, None)
-        if load is not None:
-            with contextlib.suppress(Exception):  # a load that failed left nothing to remove
-                await load
-            await self._engine.remove_lora(lora_int_id)
+        await self._engine.remove_lora(lora_int_id)
 
     async def sync_loras(self, loras: Sequence[LoRARequest]) -> None:
-        """Make the resident adapters the application's: unload the ones no longer served, load the new
-        ones (one that cannot load is logged, and its requests get the 400 when they ask for it)."""
+        """Make the resident adapters the application's: unload the ones no longer served, load the new ones.
+        An adapter still used by requests is unloaded once they finish (`_unload_when_idle`); one that cannot
+        load here is logged, and its requests get the engine's 400 when they name it."""
         wanted = {lora.lora_int_id: lora for lora in loras}
-        for lora_int_id in [i for i in self._loras if i not in wanted]:
-            await self.remove_lora(lora_int_id)
+        for lora in await self._engine.list_loras():
+            if lora.lora_int_id not in wanted:
+                await self._unload_when_idle(lora.lora_int_id)
         for lora in wanted.values():
             try:
-                await self._ensure_lora(lora)
+                await self._engine.add_lora(lora)
             except Exception as e:
                 logger.warning("LoRA adapter %s could not be loaded into this replica: %s", lora.lora_name, e)
+
+    async def _unload_when_idle(self, lora_int_id: int) -> None:
+        try:
+            await self._engine.remove_lora(lora_int_id)
+        except LoRAError:  # in use: the engine refuses to pull weights from under running requests
+            task = asyncio.get_running_loop().create_task(self._retry_unload(lora_int_id))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _retry_unload(self, lora_int_id: int) -> None:
+        while True:
+            await asyncio.sleep(UNLOAD_RETRY_S)
+            try:
+                await self._engine.remove_lora(lora_int_id)
+                return
+            except LoRAError:
+                continue
 
     async def model_info(self) -> dict[str, Any]:
         return self._info
