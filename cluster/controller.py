@@ -21,6 +21,12 @@ forward pass) runs in the one step thread. So adds and aborts land between or du
 locks, and the scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
 while requests are in flight; the first new request restarts it.
 
+LoRA adapters load and unload on the workers in that same step thread (`executor.add_lora` / `remove_lora`),
+so a load runs between two steps, never during one, and never blocks the event loop; the controller's record
+of them (`engine.loras`) changes on the event loop, after the workers answered. The adapter's config is
+checked on the event loop first (one small JSON file), so a bad path or rank is a fast LoRAError. Loads and
+unloads of one id run one at a time; a request naming an adapter not loaded yet loads it first (vLLM's way).
+
 Metrics: the controller records what it owns (queues, KV usage, prefix cache, preemptions) and what
 it publishes (tokens, TTFT, ITL, finished requests) through `EngineTelemetry` into Ray's metrics
 pipeline, on the event loop between steps; each rank records its own step time.
@@ -34,13 +40,14 @@ little memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -48,10 +55,12 @@ from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError, LLMEngine
 from cluster.engine_telemetry import EngineTelemetry
 from cluster.outputs import RequestDelta
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_CONCURRENT_CALLS = 4096  # each open stream holds one actor call slot for its lifetime
 
@@ -71,6 +80,7 @@ class EngineLoop:
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}  # request id -> its stream's deltas
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._lora_ops: dict[int, asyncio.Event] = {}  # adapter id -> set when its load / unload in flight ends
         # Metrics are recorded here, on the event loop thread, where the scheduler and the stream of
         # deltas to every caller live (cluster/engine_telemetry.py); the workers record their step times.
         self._telemetry: EngineTelemetry | None = None
@@ -81,13 +91,21 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ requests
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
-        """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here."""
+        """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here
+        (LoRAError for an adapter that cannot be served); an adapter not loaded yet is loaded first."""
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # The request waits here for its grammar (compiled on the grammar thread), not in the step.
             await self.engine.structured.prepare(params.structured_outputs)
-        queue = self._add(request_id, prompt_token_ids, params)
+        if lora_request is not None:
+            # Returns with the adapter registered and no await after that, so it is still loaded in _add.
+            await self.add_lora(lora_request)
+        queue = self._add(request_id, prompt_token_ids, params, lora_request)
         finished = False
         try:
             while not finished:
@@ -102,12 +120,20 @@ class EngineLoop:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue[RequestDelta]:
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None,
+    ) -> asyncio.Queue[RequestDelta]:
         if self._closed:
             raise EngineDeadError("the controller is shut down")
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        group = self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+        group = self.engine.add_request(
+            request_id, {"prompt_token_ids": prompt_token_ids}, params, lora_request=lora_request
+        )
         if self._telemetry is not None:
             self._telemetry.on_add(request_id, params, group.arrival_time)
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
@@ -119,6 +145,64 @@ class EngineLoop:
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self._publish(self.engine.collect_finished())
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter on every rank; False when that very adapter is already loaded. LoRAError naming it
+        when LoRA is off or the adapter cannot be served; the engine keeps serving either way."""
+        await self._wait_lora_op(lora.lora_int_id if isinstance(lora, LoRARequest) else None)
+        if not self.engine.loras.check(lora):  # the adapter's config, read on the loop: a fast refusal
+            return False
+        async with self._lora_op(lora.lora_int_id):
+            await self._on_workers(self.engine.executor.add_lora, lora)
+            self.engine.loras.register(lora)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter from every rank; False when it is not loaded; LoRAError while requests use it."""
+        await self._wait_lora_op(lora_int_id)
+        if self.engine.check_lora_removal(lora_int_id) is None:
+            return False
+        # Forgotten first: a request naming it from now on loads it again, after this unload.
+        self.engine.loras.unregister(lora_int_id)
+        async with self._lora_op(lora_int_id):
+            await self._on_workers(self.engine.executor.remove_lora, lora_int_id)
+        return True
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
+    async def _wait_lora_op(self, lora_int_id: int | None) -> None:
+        self._check_serving()
+        while lora_int_id is not None and (busy := self._lora_ops.get(lora_int_id)) is not None:
+            await busy.wait()
+        self._check_serving()
+
+    @contextlib.asynccontextmanager
+    async def _lora_op(self, lora_int_id: int) -> AsyncIterator[None]:
+        done = self._lora_ops[lora_int_id] = asyncio.Event()
+        try:
+            yield
+        finally:
+            del self._lora_ops[lora_int_id]
+            done.set()
+
+    async def _on_workers(self, call: Callable[..., T], *args: Any) -> T:
+        """Run an executor call in the step thread, between two steps. A failure other than the adapter's
+        (LoRAError) is the engine's: every request in flight ends with it, as when a step fails."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._step_thread, call, *args)
+        except LoRAError:
+            raise
+        except Exception as e:
+            self._on_engine_failure(e)
+            raise
+
+    def _check_serving(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the controller is shut down")
+        if self.engine.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.engine.dead}")
 
     # ------------------------------------------------------------------ step loop
     async def _step_loop(self) -> None:
@@ -203,6 +287,9 @@ class EngineLoop:
             "block_size": cfg.block_size,
             "num_device_blocks": self.engine.block_manager.num_device_blocks,
             "tensor_parallel_size": cfg.tensor_parallel_size,
+            "enable_lora": cfg.enable_lora,
+            "max_loras": cfg.max_loras,
+            "max_lora_rank": cfg.max_lora_rank,
         }
 
     async def shutdown(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any, cast
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import default_block_size, resolve_device, resolve_executor_backend
 from cluster.executor import Executor
+from cluster.lora_registry import LoRARegistry
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
@@ -30,6 +31,7 @@ from model_exec.generation_config import sampling_defaults
 from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestError
+from scheduler.lora import NO_LORA, LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request_check import RequestLimits, check_request
 from scheduler.sampling_params import SamplingParams
@@ -135,6 +137,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 preemption_mode=self.config.preemption_mode,
+                max_loras=self.config.max_loras,
             ),
             self.block_manager,
             self.model_config.eos_token_ids,
@@ -149,6 +152,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
+        self.loras = LoRARegistry(self.config.enable_lora, self.config.max_lora_rank)
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
         logger.info(
@@ -173,21 +177,30 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> SequenceGroup:
         """Check and queue a request. Raises RequestError (naming the field) on bad input, EngineDeadError
-        once a worker failed."""
+        once a worker failed. An adapter not loaded yet is loaded here first, blocking on the workers, as
+        vLLM's LLM.generate does (the serving loop loads it on its step thread before calling this)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self._prompt_tokens(prompt)
         check_request(token_ids, params, self.limits)
+        lora_id, lora_generation = NO_LORA, 0
+        if lora_request is not None:
+            if self.loras.check(lora_request):
+                self.load_lora(lora_request)
+            lora_id, lora_generation = lora_request.lora_int_id, self.loras.generation(lora_request.lora_int_id)
         # Compiles here unless cached: the serving loop awaits `structured.prepare` first, so only offline
         # callers can wait here, and they have no step running.
         spec = params.structured_outputs
         constraint = self.structured.matcher(spec) if spec is not None else None
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        group = self.scheduler.add_request(request_id, text, token_ids, params, seed, arrival_time, constraint)
+        group = self.scheduler.add_request(
+            request_id, text, token_ids, params, seed, arrival_time, constraint, lora_id, lora_generation
+        )
         self.output_processor.add_request(group)
         return group
 
@@ -221,6 +234,65 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished_requests
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter on every rank; False when that very adapter is already loaded. LoRAError (naming it)
+        when LoRA is off, its config is bad (checked before any rank is touched) or a rank cannot load it."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if not self.loras.check(lora):
+            return False
+        self.load_lora(lora)
+        return True
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter `loras.check` accepted on every rank (blocks on the workers), then record it. The
+        serving loop does the same in two halves: `executor.add_lora` on its step thread, `loras.register` on
+        its event loop."""
+        try:
+            self.executor.add_lora(lora)
+        except LoRAError:
+            raise  # the adapter's fault: no rank kept it, the engine serves on
+        except Exception as e:
+            self.fail(e)
+            raise
+        self.loras.register(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter from every rank; False when it is not loaded. Decision: refused (LoRAError naming
+        it and the count) while unfinished requests use it, rather than deferred: the caller learns at once, and
+        no request ever loses its adapter mid-way. Its cached KV blocks age out of the prefix cache (LRU)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self.check_lora_removal(lora_int_id) is None:
+            return False
+        try:
+            self.executor.remove_lora(lora_int_id)
+        except Exception as e:
+            self.fail(e)
+            raise
+        self.loras.unregister(lora_int_id)
+        return True
+
+    def check_lora_removal(self, lora_int_id: int) -> LoRARequest | None:
+        """The adapter that `remove_lora` would unload (None: not loaded); LoRAError while requests use it."""
+        lora = self.loras.get(lora_int_id)
+        if lora is None:
+            return None
+        in_use = self.scheduler.num_requests_with_lora(lora_int_id)
+        if in_use:
+            raise LoRAError(
+                f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora_int_id}) is in use by {in_use} unfinished "
+                f"request{'s' if in_use > 1 else ''}: wait for them to finish or abort them, then remove it.",
+                "lora_int_id",
+                "lora_in_use",
+            )
+        return lora
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters every rank holds, by id."""
+        return self.loras.list()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestDelta]:

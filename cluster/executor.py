@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from cluster.config import ResolvedEngineConfig
 from cluster.worker import Worker
 from model_exec.config import ModelConfig
+from scheduler.lora import LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -26,6 +27,19 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output."""
+
+    @abstractmethod
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load the adapter on every rank (keyed by its lora_int_id). A LoRAError raised on a rank reaches the
+        caller as itself, and no rank keeps the adapter; any other failure is the rank's (the engine's end)."""
+
+    @abstractmethod
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop the adapter from every rank; False when the ranks did not hold it."""
+
+    @abstractmethod
+    def list_loras(self) -> list[int]:
+        """The adapter ids the ranks hold."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -56,6 +70,15 @@ class InProcessExecutor(Executor):
 
     def start_metrics(self, model_name: str, replica: str) -> None:
         self.worker.start_metrics(model_name, replica)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        self.worker.add_lora(lora)  # the worker leaves its state unchanged when it raises
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.worker.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.worker.list_loras()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -42,6 +42,7 @@ from cluster.placement import create_placement_group, new_group_name, worker_bun
 from cluster.ray_utils import ensure_ray, env_float
 from cluster.worker import NodeInfo, Worker
 from model_exec.config import ModelConfig
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,25 @@ class RayExecutor(Executor):
     def start_metrics(self, model_name: str, replica: str) -> None:
         self._gather([w.start_metrics.remote(model_name, replica) for w in self.workers], _HEALTH_TIMEOUT_S, "metrics")
 
+    def add_lora(self, lora: LoRARequest) -> None:
+        self._raise_if_failed()
+        refs = [w.add_lora.remote(lora) for w in self.workers]
+        try:
+            self._gather_adapter_call(refs, f"load of LoRA adapter {lora.lora_name!r}")
+        except LoRAError:
+            # Some ranks may have loaded it: every rank must hold the same adapters, so they drop it again.
+            self.remove_lora(lora.lora_int_id)
+            raise
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._raise_if_failed()
+        refs = [w.remove_lora.remote(lora_int_id) for w in self.workers]
+        return any(self._gather(refs, self.step_timeout_s, "LoRA unload"))
+
+    def list_loras(self) -> list[int]:
+        self._raise_if_failed()
+        return list(self._gather([self.workers[0].list_loras.remote()], self.step_timeout_s, "LoRA list")[0])
+
     def check_health(self) -> None:
         self._raise_if_failed()
         pings = [w.ping.options(concurrency_group=_CONTROL).remote() for w in self.workers]
@@ -170,6 +190,31 @@ class RayExecutor(Executor):
         except RayError as e:
             rank, cause = self._blame(refs, e)
             raise self._fail(self._rank_error(rank, what, cause)) from e
+
+    def _gather_adapter_call(self, refs: list[Any], what: str) -> list[Any]:
+        """`_gather` for adapter loads: a LoRAError raised on a rank is the adapter's fault, not the rank's, so it
+        reaches the caller as itself and the executor stays usable. Waits for every rank first (loads run no
+        collective), so the caller can roll back knowing no rank is still loading."""
+        pending = ray.wait(refs, num_returns=len(refs), timeout=self.step_timeout_s)[1]
+        if pending:
+            raise self._fail(self._stall_error([refs.index(r) for r in pending], what, self.step_timeout_s))
+        adapter_error: LoRAError | None = None
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=0)
+            except RayTaskError as e:
+                if not isinstance(e.cause, LoRAError):
+                    cause = f"it raised {_first_line(e.cause or e)}"
+                    raise self._fail(self._rank_error(refs.index(ref), what, cause)) from e
+                adapter_error = adapter_error or e.cause
+            except RayActorError as e:
+                cause = f"its worker actor died ({_first_line(e)})"
+                raise self._fail(self._rank_error(refs.index(ref), what, cause)) from e
+            except RayError as e:
+                raise self._fail(self._rank_error(refs.index(ref), what, _first_line(e))) from e
+        if adapter_error is not None:
+            raise adapter_error
+        return self._gather(refs, 0, what)
 
     def _blame(self, refs: list[Any], error: RayError) -> tuple[int, str]:
         """(rank, what went wrong) for an error raised by one of `refs`."""

@@ -35,6 +35,7 @@ class _SeqBlocks:
     on_cpu: bool = False
     hashes: list[BlockHash] = field(default_factory=list)  # content keys of the leading full blocks seen
     num_registered: int = 0  # leading blocks already offered to the prefix cache (prefix caching only)
+    salt: BlockHash | None = None  # root of `hashes`' chain (e.g. the LoRA adapter's identity); None: unsalted
 
 
 class BlockManager:
@@ -72,28 +73,33 @@ class BlockManager:
 
     # --- admission ---
 
-    def can_allocate(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> AllocStatus:
+    def can_allocate(
+        self, token_ids: Sequence[int], use_prefix_cache: bool = True, salt: BlockHash | None = None
+    ) -> AllocStatus:
         needed = self._blocks_for(len(token_ids))
-        _, hits = self._match_prefix(token_ids, use_prefix_cache)
+        _, hits = self._match_prefix(token_ids, use_prefix_cache, salt)
         return self._admission(needed, self._cost_of(needed, hits))
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True, salt: BlockHash | None = None
+    ) -> int:
         """Give `seq_id` blocks for all of `token_ids`; returns how many leading tokens are already computed
         (whole cached blocks, never the block of the last token: see `match_prefix`). With
         `use_prefix_cache=False` nothing is reused (every token is computed), but the blocks still enter
-        the cache once computed."""
+        the cache once computed. `salt` roots the sequence's key chain (`kv.prefix_cache.salt_of`): only
+        sequences with the same salt share cached blocks; the sequence's forks inherit it."""
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id} already has blocks")
         if not token_ids:
             raise ValueError("cannot allocate an empty sequence")
         needed = self._blocks_for(len(token_ids))
-        hashes, hits = self._match_prefix(token_ids, use_prefix_cache)
+        hashes, hits = self._match_prefix(token_ids, use_prefix_cache, salt)
         if self._cost_of(needed, hits) > self._device.num_free:
             raise NoFreeBlocksError(f"seq {seq_id} needs {needed} blocks; check can_allocate first")
         for block in hits:  # revive hits before allocating, so allocation cannot evict them
             self._device.incref(block)
         table = hits + [self._device.allocate() for _ in range(needed - len(hits))]
-        self._seqs[seq_id] = _SeqBlocks(table, hashes=hashes, num_registered=len(hits))
+        self._seqs[seq_id] = _SeqBlocks(table, hashes=hashes, num_registered=len(hits), salt=salt)
         num_computed = len(hits) * self.block_size
         if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_cache_queries += len(token_ids)
@@ -145,7 +151,7 @@ class BlockManager:
         for block in parent.table:
             pool.incref(block)
         self._seqs[child_seq_id] = _SeqBlocks(
-            list(parent.table), parent.on_cpu, list(parent.hashes), parent.num_registered
+            list(parent.table), parent.on_cpu, list(parent.hashes), parent.num_registered, parent.salt
         )
 
     def free(self, seq_id: int) -> None:
@@ -166,7 +172,7 @@ class BlockManager:
             return
         seq = self._device_seq(seq_id)
         num_full = min(num_computed_tokens // self.block_size, len(seq.table))
-        seq.hashes = hash_full_blocks(token_ids, self.block_size, seq.hashes, num_full)
+        seq.hashes = hash_full_blocks(token_ids, self.block_size, seq.hashes, num_full, seq.salt)
         for i in range(seq.num_registered, num_full):
             self._device.register(seq.table[i], seq.hashes[i])
         seq.num_registered = max(seq.num_registered, num_full)
@@ -257,13 +263,15 @@ class BlockManager:
             raise ValueError(f"seq {seq_id} is swapped out")
         return seq
 
-    def _match_prefix(self, token_ids: Sequence[int], use_cache: bool) -> tuple[list[BlockHash], list[int]]:
+    def _match_prefix(
+        self, token_ids: Sequence[int], use_cache: bool, salt: BlockHash | None
+    ) -> tuple[list[BlockHash], list[int]]:
         """(keys of the full blocks, cached blocks holding the leading ones); no hits when not `use_cache`."""
         if not self.enable_prefix_caching:
             return [], []
         if not use_cache:
-            return match_prefix(token_ids, self.block_size, lambda _key: None)
-        return match_prefix(token_ids, self.block_size, self._device.lookup)
+            return match_prefix(token_ids, self.block_size, lambda _key: None, salt)
+        return match_prefix(token_ids, self.block_size, self._device.lookup, salt)
 
     def _admission(self, needed: int, cost: int) -> AllocStatus:
         """`needed` blocks in all, of which `cost` come out of the free ones now."""

@@ -16,6 +16,7 @@ from cluster.engine import EngineDeadError
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from raytp.llm import LLM
 from scheduler.errors import RequestError
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_outputs import StructuredOutputsParams
 
@@ -24,6 +25,8 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
+    "LoRAError",
+    "LoRARequest",
     "Logprob",
     "RequestError",
     "RequestOutput",

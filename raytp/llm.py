@@ -11,7 +11,10 @@ from tqdm.auto import tqdm
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput, RequestOutputBuilder
+from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
+
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one per prompt
 
 
 class LLM:
@@ -28,6 +31,17 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = itertools.count()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (generate loads one on first use); False when it is already loaded."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False when it is not loaded. Refused while a request uses it."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
@@ -42,8 +56,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order.
+
+        `lora_request`: a `LoRARequest` for every prompt, or a list with one per prompt (None: the base model);
+        an adapter not loaded yet is loaded first (engine argument `enable_lora=True`)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -56,13 +74,14 @@ class LLM:
                     f"sampling_params must be one SamplingParams or one per prompt: got {len(params_list)} "
                     f"for {len(prompt_list)} prompts."
                 )
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, _per_prompt_loras(lora_request, len(prompt_list)), use_tqdm)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
@@ -72,6 +91,7 @@ class LLM:
 
         `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `enable_thinking`) reach the template,
         as in vLLM; to force a tool call's arguments, give `SamplingParams(structured_outputs=...)` its schema.
+        `lora_request` as in `generate`: one adapter for every conversation, or one per conversation.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -88,15 +108,21 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except Exception:
             # A bad prompt refuses the whole call. Aborting frees this call's blocks at once; requests
@@ -114,6 +140,17 @@ class LLM:
                     bar.update(int(delta.finished))
         bar.close()
         return [builders[rid].build() for rid in ids]
+
+
+def _per_prompt_loras(lora_request: LoRAArg, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"lora_request must be one LoRARequest or one per prompt: got {len(loras)} for {num_prompts} prompts."
+        )
+    return loras
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -18,6 +18,9 @@ class SchedulerConfig:
     # auto: swap a request with several live sequences (or a long single one when swap space exists),
     # recompute otherwise. recompute/swap force one mode (tests use them to exercise both paths).
     preemption_mode: PreemptionMode = "auto"
+    # Most distinct LoRA adapters among the requests running or swapped out (so in any one step's batch);
+    # requests without an adapter never count. Only requests with an adapter (enable_lora) meet the limit.
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -31,5 +34,7 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled: a whole prompt must fit one step."
             )
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}.")

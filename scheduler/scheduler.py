@@ -12,6 +12,13 @@ order (vLLM's policy):
 3. waiting requests are admitted FCFS while blocks and budget last, unless this step
    preempted or something is still swapped out.
 
+LoRA (vLLM's rule): the requests running or swapped out use at most `max_loras` distinct adapters, so no
+step's batch holds more. A waiting request whose adapter would exceed that stays in its place while later
+waiting requests with an adapter already active (or with none) are admitted past it. Guarantee against
+starvation: requests with an adapter may pass it at most `max_num_seqs` times (one batch's worth); from then
+on only requests without an adapter pass it, so its adapter slot frees once the active adapters' running
+requests finish, and it is admitted next. Preemption, swap and recompute keep a request's adapter.
+
 Blocks for a prompt are allocated whole at admission (prefix-cache hits included);
 chunked prefill then computes the prompt over several steps inside those blocks.
 Every function here runs on the controller and touches no tensors.
@@ -23,8 +30,10 @@ import time
 from dataclasses import dataclass
 
 from kv import AllocStatus, BlockManager
+from kv.prefix_cache import salt_of
 from scheduler.config import SchedulerConfig
 from scheduler.constraint import TokenConstraint
+from scheduler.lora import NO_LORA
 from scheduler.outputs import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -78,8 +87,13 @@ class Scheduler:
         seed: int,
         arrival_time: float | None = None,
         constraint: TokenConstraint | None = None,
+        lora_id: int = NO_LORA,
+        lora_load_generation: int = 0,
     ) -> SequenceGroup:
-        """`constraint`: the first sample's grammar matcher, in its start state (structured outputs)."""
+        """`constraint`: the first sample's grammar matcher, in its start state (structured outputs).
+        `lora_id`: the adapter the request runs with, loaded on the workers; `lora_load_generation`: which
+        load of that id (the engine counts every load), so a re-used id never hits the KV cached under an
+        adapter it named before."""
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         seq = Sequence(
@@ -97,6 +111,8 @@ class Scheduler:
             seqs=[seq],
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt_logprobs=[None] if sampling_params.prompt_logprobs is not None else None,
+            lora_id=lora_id,
+            cache_salt=salt_of((lora_id, lora_load_generation)) if lora_id != NO_LORA else None,
         )
         self._groups[request_id] = group
         self._seq_owner[seq.seq_id] = group
@@ -122,6 +138,17 @@ class Scheduler:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
+
+    def num_requests_with_lora(self, lora_id: int) -> int:
+        """Unfinished requests running with adapter `lora_id`."""
+        return sum(1 for g in self._groups.values() if g.lora_id == lora_id)
+
+    def active_loras(self) -> set[int]:
+        """The adapters of the requests running or swapped out: at most max_loras of them."""
+        return {g.lora_id for g in self.running + self.swapped if g.lora_id != NO_LORA}
+
+    def waiting_loras(self) -> set[int]:
+        return {g.lora_id for g in self.waiting if g.lora_id != NO_LORA}
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         """End one sequence: free its blocks, tell the workers, and retire the request when it was the last."""
@@ -218,17 +245,28 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        while self.waiting and budget.tokens > 0:
-            group = self.waiting[0]
+        active = self.active_loras()
+        held: SequenceGroup | None = None  # the oldest waiting request the adapter limit holds back
+        i = 0  # waiting[:i] are held back this step (adapter limit); the rest is FCFS as before
+        while i < len(self.waiting) and budget.tokens > 0:
+            group = self.waiting[i]
             seqs = group.live_seqs()
             longest = max(s.num_tokens for s in seqs)
             if longest > self.config.max_model_len:
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 self._ignore(
                     group,
                     f"the prompt ({longest} tokens) is longer than max_model_len ({self.config.max_model_len})",
                 )
                 continue
+            if group.lora_id != NO_LORA:
+                if group.lora_id not in active and len(active) >= self.config.max_loras:
+                    held = held or group
+                    i += 1
+                    continue
+                if held is not None and held.num_lora_bypasses >= self.config.max_num_seqs:
+                    i += 1  # `held` was passed enough: adapters wait behind it until its slot frees
+                    continue
             if budget.seqs < len(seqs):
                 return
             if not self.config.enable_chunked_prefill and longest > budget.tokens:
@@ -236,18 +274,22 @@ class Scheduler:
             # A request that still wants prompt logprobs computes its whole prompt: cached blocks would skip
             # positions it must score (vLLM makes the same choice).
             use_cache = not group.wants_prompt_logprobs
-            statuses = [bm.can_allocate(s.token_ids, use_cache) for s in seqs]
+            statuses = [bm.can_allocate(s.token_ids, use_cache, group.cache_salt) for s in seqs]
             if AllocStatus.NEVER in statuses:
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 self._ignore(
                     group,
                     f"the prompt ({longest} tokens) needs more KV blocks than the cache can ever give one request "
                     f"({bm.num_device_blocks} blocks in all, less the free-block watermark)",
                 )
                 continue
-            if AllocStatus.LATER in statuses or not self._allocate_all(seqs, use_cache):
+            if AllocStatus.LATER in statuses or not self._allocate_all(seqs, use_cache, group.cache_salt):
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if group.lora_id != NO_LORA:
+                active.add(group.lora_id)
+                if held is not None:
+                    held.num_lora_bypasses += 1
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
@@ -258,16 +300,16 @@ class Scheduler:
             if plan is not None and self._can_grow(plan):
                 self._commit(group, plan, budget, out)
 
-    def _allocate_all(self, seqs: list[Sequence], use_cache: bool) -> bool:
+    def _allocate_all(self, seqs: list[Sequence], use_cache: bool, salt: bytes | None) -> bool:
         """Allocate every sequence of a group, or none (a recomputed fork needs one table per sequence)."""
         done: list[Sequence] = []
         for seq in seqs:
-            if done and self.block_manager.can_allocate(seq.token_ids, use_cache) is not AllocStatus.OK:
+            if done and self.block_manager.can_allocate(seq.token_ids, use_cache, salt) is not AllocStatus.OK:
                 for d in done:
                     self.block_manager.free(d.seq_id)
                     d.num_computed_tokens = 0
                 return False
-            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache)
+            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache, salt)
             done.append(seq)
         return True
 
@@ -353,6 +395,7 @@ class Scheduler:
                         sampling_params=group.sampling_params,
                         seed=seq.seed,
                         sample_index=seq.sample_index,
+                        lora_id=group.lora_id,
                     )
                 )
             else:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.constraint import TokenConstraint
+from scheduler.lora import NO_LORA
 from scheduler.outputs import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 
@@ -120,6 +121,13 @@ class SequenceGroup:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None  # why the server could not finish it (FINISHED_IGNORED, or a worker failure)
     num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at first admission
+    lora_id: int = NO_LORA  # the adapter every sequence of the request runs with (LoRARequest.lora_int_id)
+    # Root of its sequences' prefix-cache key chains: kv.prefix_cache.salt_of((lora_id, load generation));
+    # None for the base model, whose keys stay unsalted.
+    cache_salt: bytes | None = None
+    # Later requests with an adapter admitted while this one waited for a free adapter slot (max_loras);
+    # bounded by the scheduler so it cannot be passed forever.
+    num_lora_bypasses: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
