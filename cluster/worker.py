@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from cluster.config import ResolvedEngineConfig, default_kv_cache_bytes
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
+from scheduler.lora import LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager,
+            enable_lora=cfg.enable_lora,
+            max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank,
         )
 
     def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> tuple[int, int]:
@@ -124,6 +128,19 @@ class Worker:
         if self.metrics is not None:
             self.metrics.record_step(time.perf_counter() - start)
         return out
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load a PEFT adapter's shard on this rank, keyed by lora_int_id (an id already loaded is replaced).
+        LoRAError naming the adapter and the cause, with the rank's adapters unchanged, when it cannot."""
+        self._shard().add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter; False when this rank does not hold it."""
+        return self._shard().remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The lora_int_ids this rank holds, ascending."""
+        return self._shard().list_loras()
 
     def start_metrics(self, model_name: str, replica: str) -> None:
         """Record this rank's execute_model wall time from now on, labelled with its rank."""

@@ -9,6 +9,10 @@ Input preparation is vectorised over the batch: positions, slot mapping and bloc
 tables are computed with tensor ops from per-row (computed, scheduled) counts; the
 only per-row Python work is slicing each row's new token ids.
 
+With LoRA (`lora`, a LoRAManager) each sequence keeps its adapter id; the rows are ordered by adapter within
+the decodes and within the prefills, and the step's token groups per adapter are built once and set on the
+rank's LoRA context around the forward (model_exec/lora/context.py).
+
 On CUDA the host inputs travel as pinned, non-blocking copies (the host never waits for them), and a
 pure-decode step replays the CUDA graph of its batch-size bucket when graphs are attached
 (`model_exec/cuda_graphs.py`). On the CPU the "copies" are the host tensors themselves.
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
+from model_exec.lora.manager import LoRAManager
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.sampler import Sampler, SamplingMetadata
@@ -46,6 +51,7 @@ class _SeqState:
     params: SamplingParams
     seed: int
     sample_index: int
+    lora_id: int  # the sequence's adapter (NewSeqData.lora_id); 0: the base model
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)
@@ -91,8 +97,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the rank's adapters, with enable_lora only
         self.tp = tp
         self.block_size = block_size
         self.device = device
@@ -104,6 +112,8 @@ class ModelRunner:
 
     def attach_decode_graphs(self, graphs: DecodeGraphs) -> None:
         """Pure-decode steps replay these graphs from now on (the KV pool they captured must stay)."""
+        # a captured graph replays the base model only: it never sees the step's LoRA context
+        assert self.lora is None, "CUDA graphs are not captured with LoRA"
         self.decode_graphs = graphs
 
     # ------------------------------------------------------------------ state
@@ -119,6 +129,7 @@ class ModelRunner:
                 params=new.sampling_params,
                 seed=new.seed,
                 sample_index=new.sample_index,
+                lora_id=new.lora_id,
             )
             self.seqs[new.seq_id] = state
             rows.append(_Row(new.seq_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
@@ -128,8 +139,9 @@ class ModelRunner:
             del state.block_ids[cached.num_kept_blocks :]
             state.block_ids.extend(cached.new_block_ids)
             rows.append(_Row(cached.seq_id, state, cached.num_computed_tokens, cached.num_scheduled_tokens))
-        # Attention backends take decode rows (one new token) first.
-        rows.sort(key=lambda r: r.num_scheduled != 1)
+        # Attention backends take decode rows (one new token) first; within each kind rows of one adapter sit
+        # together, so each adapter's tokens form at most two contiguous ranges (LoRA slices, never gathers).
+        rows.sort(key=lambda r: (r.num_scheduled != 1, r.state.lora_id))
         return rows
 
     # ------------------------------------------------------------------ inputs
@@ -206,7 +218,13 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
         host = self._host_inputs(rows)
-        hidden = self._forward(host, kv_caches)
+        if self.lora is not None:
+            with self.lora.context.use(self.lora.step([r.state.lora_id for r in rows], host.starts)):
+                hidden = self._forward(host, kv_caches)
+        elif any(r.state.lora_id for r in rows):
+            raise ValueError("the step runs a LoRA adapter, but this engine was started without enable_lora")
+        else:
+            hidden = self._forward(host, kv_caches)
 
         # Which hidden rows need logits: the last token of every row that samples, then the prompt
         # positions whose logprobs were asked for. Same selection on every rank (gather is collective).

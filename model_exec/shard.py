@@ -19,12 +19,15 @@ from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.cuda_graphs import DecodeGraphs, capture_sizes
 from model_exec.kv_sizing import MemorySnapshot, measure_kv_budget, take_snapshot
+from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
+from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
 from model_exec.source import ModelSource
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -89,11 +92,15 @@ class ModelShard:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         """Join the TP group, build this rank's shard on its device and stream its weights in.
 
         max_num_seqs and max_model_len size the CUDA graphs' buffers (max_model_len: the model's own when
-        None); enforce_eager turns the graphs off."""
+        None); enforce_eager turns the graphs off. enable_lora gives the linear layers LoRA slots (adapters
+        are added later, `add_lora`); without it the model is exactly the base model."""
         self.device = torch_device(device)
         self._mem_at_start: MemorySnapshot | None = None
         if self.device.type == "cuda":
@@ -114,7 +121,11 @@ class ModelShard:
         model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
         model.load_weights(iter_weights(source))
         pack_weights(model, panels=panel_gemm)
-        self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids)
+        self.lora: LoRAManager | None = None
+        if enable_lora:
+            assert isinstance(model, CheckpointLoader)  # every registered family is one
+            self.lora = LoRAManager(model, max_loras, max_lora_rank)
+        self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora)
         self._mem_after_load = take_snapshot(torch.cuda, self.device) if self.device.type == "cuda" else None
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or model_config.max_position_embeddings
@@ -141,6 +152,10 @@ class ModelShard:
             return False
         if not capturable:
             logger.info("decode runs eagerly: the attention backend cannot be captured into CUDA graphs")
+            return False
+        if self.lora is not None:
+            # Decision: a graph would freeze one step's adapter groups; LoRA engines run every step eagerly.
+            logger.info("decode runs eagerly: CUDA graphs are not captured with enable_lora")
             return False
         if self.tp.world_size > 1:
             # Decision: NCCL all-reduces inside captured graphs have not run on this road yet; TP stays eager.
@@ -208,6 +223,21 @@ class ModelShard:
                 torch.cuda.synchronize()
             else:
                 self.runner.attach_decode_graphs(graphs)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter's shard on this rank (replacing one with its id); LoRAError, rank unchanged, if not."""
+        self._lora_manager(lora.lora_name).add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora.remove(lora_int_id) if self.lora is not None else False
+
+    def list_loras(self) -> list[int]:
+        return self.lora.lora_ids() if self.lora is not None else []
+
+    def _lora_manager(self, lora_name: str) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError(f"LoRA adapter {lora_name!r}: this engine was started without enable_lora.")
+        return self.lora
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""

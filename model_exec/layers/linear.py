@@ -13,11 +13,17 @@ split input features and all-reduce the partial sums.
 After loading, `pack_weights()` may move an fp32 CPU weight into a faster layout (raytp's 16-wide
 panels by default, else oneDNN's blocked one; see `cpu_gemm`); the dense copy is then released and
 `forward` runs the packed product. Weights load once, before packing.
+
+LoRA (EngineConfig.enable_lora): `model_exec.lora.LoRAManager` attaches a `LoRASlots` as `lora` to the column-
+and row-parallel layers; their forward then adds the step's adapters' products (row-parallel: to the rank's
+partial sum, before the all-reduce, so LoRA adds no collective). Without LoRA `lora` stays None: one attribute
+test per layer and step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +31,9 @@ from torch import nn
 from model_exec.layers import cpu_gemm
 from model_exec.layers.activation import SiluAndMul
 from model_exec.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from model_exec.lora.slots import LoRASlots
 
 # Shard id for a checkpoint tensor that already holds every matrix of a fused layer, stacked in the layer's
 # order (Phi-3's qkv_proj and gate_up_proj): the loader splits it by the full sizes and cuts each rank's
@@ -83,6 +92,7 @@ class LinearBase(nn.Module):
         # At most one of these is set, by pack_weights(); then `weight` holds no data.
         self.panel_weight: torch.Tensor | None = None  # cpu_gemm.pack_panels layout
         self.packed_weight: torch.Tensor | None = None  # oneDNN's layout
+        self.lora: LoRASlots | None = None  # resident LoRA adapters (model_exec/lora), only with enable_lora
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -140,8 +150,16 @@ class ColumnParallelLinear(LinearBase):
         size = param.shape[0]
         copy_shard(param.data, shard_of(loaded_weight, 0, size, self.tp))
 
+    def output_parts(self) -> list[tuple[str | int | None, int, int]]:
+        """(shard id, offset, size) of each matrix stacked in this rank's output rows, as `weight_loader`
+        lays them out (a LoRA adapter's B is cut and placed the same way)."""
+        return [(None, 0, self.weight.shape[0])]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        y = self._matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -176,6 +194,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id])
         copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
 
+    def output_parts(self) -> list[tuple[str | int | None, int, int]]:
+        offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        return [(i, offset, size) for i, (offset, size) in enumerate(zip(offsets, self.output_sizes, strict=True))]
+
 
 class GateUpParallelLinear(MergedColumnParallelLinear):
     """The gate and up projections of a gated MLP, fused ([gate; up] per rank), with their activation.
@@ -193,7 +215,8 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         half = self.output_sizes[0]
-        if self.panel_weight is not None and self.bias is None and half % cpu_gemm.PANEL == 0:
+        fused_ok = self.lora is None or not self.lora.active()  # the fused kernel has no room for a LoRA term
+        if fused_ok and self.panel_weight is not None and self.bias is None and half % cpu_gemm.PANEL == 0:
             return cpu_gemm.panel_linear_silu_mul(x, self.panel_weight, half)
         return self._act(self.forward(x))
 
@@ -227,6 +250,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def output_parts(self) -> list[tuple[str | int | None, int, int]]:
+        return [
+            ("q", 0, self.q_size),
+            ("k", self.q_size, self.kv_size),
+            ("v", self.q_size + self.kv_size, self.kv_size),
+        ]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -288,6 +318,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)
+        if self.lora is not None:  # this rank's share of x A^T B^T: the all-reduce sums the shares
+            self.lora.add_to(x, y)
         if not self.reduce_results:
             return y
         y = self.tp.all_reduce(y)
