@@ -100,6 +100,11 @@ class OpenAIIngress:
             raise RuntimeError("this ingress hosts no engine (split_ingress): ask the LLMServer deployment")
         return await self._local.get_stats()
 
+    async def served_names(self) -> tuple[str, list[str]]:
+        """(this Serve replica's id, the names it routes: models, then adapters), for operators and tests
+        checking that a runtime LoRA change reached every ingress replica."""
+        return serve.get_replica_context().replica_id.unique_id, self.models.names()
+
     async def model_info(self, model: str | None = None) -> dict[str, Any]:
         """The engine's model_info of `model` (default: the only model)."""
         return await self._clients[model or self._args.model.name].model_info()

@@ -129,3 +129,16 @@ def test_tokenize_takes_the_model_too(server: LiveServer) -> None:
         assert d.status_code == 200 and PROMPT in d.json()["prompt"]
     r = requests.post(server.url("/tokenize"), json={"model": "gamma", "prompt": PROMPT}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_runtime_lora_routes_refuse_when_the_flag_is_off(server: LiveServer) -> None:
+    """Not started with --enable-runtime-lora-updating: a 404 (as vLLM's absent routes) saying how to turn
+    them on; nothing is loaded."""
+    for path, body in [
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/somewhere"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "x"}),
+    ]:
+        r = requests.post(server.url(path), json=body, timeout=30)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["code"] == "runtime_lora_updating_disabled" and "--enable-runtime-lora-updating" in err["message"]
