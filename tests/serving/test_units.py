@@ -104,21 +104,25 @@ def test_the_http_app_and_batch_lines_take_the_route_table() -> None:
     """One table: the app's POST routes are its rows, each validating with its row's model, and a batch
     line may name each of them (and nothing else)."""
     import json
-    from typing import cast
+    from typing import Any, cast
 
     from fastapi.routing import APIRoute
 
     from raytp.batch.input import BatchError, BatchRow, parse_line
     from raytp.openai.app import openai_app
     from raytp.openai.context import ServingContext
+    from raytp.openai.models import ServedModels
     from raytp.openai.routes import ROUTES
 
     async def healthy() -> None:
         return None
 
-    app = openai_app(cast(ServingContext, object()), healthy, api_key=None)  # handlers keep ctx until a request
+    ctx = ServingContext(cast(Any, None), None, "m", max_model_len=8, vocab_size=8, max_token_chars=1)
+    app = openai_app(ServedModels([ctx]), healthy, api_key=None)  # nothing touches the engine until a request
     posts = {r.path: r.methods for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods}
-    assert posts == {r.path: {r.method} for r in ROUTES}
+    # the table's rows, and the runtime LoRA routes (the app's own: batch jobs do not load adapters)
+    lora_routes = {"/v1/load_lora_adapter": {"POST"}, "/v1/unload_lora_adapter": {"POST"}}
+    assert posts == {r.path: {r.method} for r in ROUTES} | lora_routes
     spec = app.openapi()
     for r in ROUTES:
         body = spec["paths"][r.path]["post"]["requestBody"]["content"]["application/json"]["schema"]
