@@ -1,4 +1,6 @@
-"""LoRA adapters over HTTP, as vLLM users know them, on a live server with two model replicas.
+"""LoRA adapters over HTTP, as vLLM users know them, on a live server with two model replicas: once in the
+default topology (each ingress replica hosts its engine), once as one of two models (two ingress replicas
+in front of the model's two LLMServer replicas, and another model beside it).
 
 `--lora-modules` adapters are served by name (completions and chat, streamed or not) with exactly the
 offline engine's output for that adapter; `POST /v1/load_lora_adapter` / `unload_lora_adapter` change what
@@ -57,19 +59,28 @@ def expected(paths: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(paths: dict[str, str], expected: dict[str, Any]) -> Any:
-    args = {
+@pytest.fixture(scope="module", params=["default", "two-models"])
+def server(request: pytest.FixtureRequest, paths: dict[str, str], expected: dict[str, Any]) -> Any:
+    tiny = {
         "model": paths["model"],
         "served_model_name": "tiny",
         "num_replicas": REPLICAS,
         "lora_modules": [f"sql={paths['sql']}"],
-        "enable_runtime_lora_updating": True,
-        **ENGINE,
         **LORA,
     }
-    with live_server(args, num_cpus=REPLICAS + 2) as s:
+    if request.param == "default":
+        args = {**tiny, "enable_runtime_lora_updating": True, **ENGINE}
+    else:
+        other = {"model": paths["model"], "served_model_name": "other", "num_replicas": 1}
+        args = {"models": [tiny, other], "ingress_replicas": REPLICAS, "enable_runtime_lora_updating": True, **ENGINE}
+    with live_server(args, num_cpus=REPLICAS + 3) as s:
+        if request.param != "default":
+            s.engine_deployment = "LLMServer:tiny"
         yield s
+
+
+def base_names(server: LiveServer) -> set[str]:
+    return {"tiny"} if server.engine_deployment == "OpenAIIngress" else {"tiny", "other"}
 
 
 def complete(server: LiveServer, model: str, **extra: Any) -> requests.Response:
@@ -96,7 +107,7 @@ def names_per_replica() -> dict[str, set[str]]:
 
 def test_lora_modules_are_served_by_name(server: LiveServer, paths: dict[str, str], expected: dict[str, Any]) -> None:
     models = {m["id"]: m for m in requests.get(server.url("/v1/models"), timeout=30).json()["data"]}
-    assert set(models) == {"tiny", "sql"}
+    assert set(models) == base_names(server) | {"sql"}
     assert (models["sql"]["parent"], models["sql"]["root"]) == ("tiny", paths["sql"])
     for _ in range(TRIES):
         r = complete(server, "sql")
@@ -119,7 +130,7 @@ def test_load_and_unload_at_runtime_reach_every_replica(
 ) -> None:
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": paths["tuned"]})
     assert r.status_code == 200, r.text
-    assert all(names == {"tiny", "sql", "tuned"} for names in names_per_replica().values())
+    assert all(names == base_names(server) | {"sql", "tuned"} for names in names_per_replica().values())
     for _ in range(TRIES):  # whichever ingress replica HAProxy picks knows the name, its engine serves it
         r = complete(server, "tuned", stream=True)
         assert r.status_code == 200, r.text
@@ -129,7 +140,7 @@ def test_load_and_unload_at_runtime_reach_every_replica(
         assert (listed["parent"], listed["root"]) == ("tiny", paths["tuned"])
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "tuned"})
     assert r.status_code == 200, r.text
-    assert all(names == {"tiny", "sql"} for names in names_per_replica().values())
+    assert all(names == base_names(server) | {"sql"} for names in names_per_replica().values())
     for _ in range(TRIES):
         r = complete(server, "tuned")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
@@ -161,7 +172,7 @@ def test_a_bad_adapter_is_a_400_naming_it_and_the_server_serves_on(
     message = r.json()["error"]["message"]
     assert all(word in message for word in named), message
     names = {m["id"] for m in requests.get(server.url("/v1/models"), timeout=30).json()["data"]}
-    assert names == {"tiny", "sql"}
+    assert names == base_names(server) | {"sql"}
     r = complete(server, "sql")
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected["sql"]
 
@@ -169,6 +180,14 @@ def test_a_bad_adapter_is_a_400_naming_it_and_the_server_serves_on(
 def test_load_needs_both_fields(server: LiveServer) -> None:
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+
+
+def test_an_adapter_for_a_model_without_lora_is_refused(server: LiveServer, paths: dict[str, str]) -> None:
+    if server.engine_deployment == "OpenAIIngress":
+        pytest.skip("one model")
+    body = {"lora_name": "x", "lora_path": paths["tuned"], "base_model_name": "other"}
+    r = post(server, "/v1/load_lora_adapter", body)
+    assert r.status_code == 400 and "enable_lora" in r.json()["error"]["message"]
 
 
 def test_no_kv_block_leaks(server: LiveServer) -> None:
