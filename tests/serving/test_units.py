@@ -38,10 +38,11 @@ def test_serve_args_parsing() -> None:
     assert ServeArgs.from_dict({"split_ingress": True, "ingress_replicas": 2}).ingress_replicas == 2
 
 
-def test_example_serve_config_is_valid() -> None:
+@pytest.mark.parametrize("name", ["serve_config.example.yaml", "serve_config.multi.example.yaml"])
+def test_example_serve_config_is_valid(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    config = yaml.safe_load((ROOT / "serve_config.example.yaml").read_text())
+    config = yaml.safe_load((ROOT / name).read_text())
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
     assert app.import_path == "serve_app:build_app"
