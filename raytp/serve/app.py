@@ -46,11 +46,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             ray_actor_options={"num_cpus": 0},
         )(LoRARegistry).bind([m.name for m in sa.models], adapters)
     if not sa.split:
-        ingress = serve.deployment(name="OpenAIIngress", **engine_deployment(sa.model))(OpenAIIngress)
+        ingress = serve.deployment(name="OpenAIIngress", **engine_deployment(sa, sa.model))(OpenAIIngress)
         return ingress.bind(sa, None, registry)
     startup = sa.lora_requests()
     servers = {
-        m.name: serve.deployment(name=server_name(sa, m), **engine_deployment(m))(LLMServer).bind(
+        m.name: serve.deployment(name=server_name(sa, m), **engine_deployment(sa, m))(LLMServer).bind(
             m, [lora for base, lora in startup if base == m.name], registry
         )
         for m in sa.models
@@ -58,15 +58,17 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     ingress = serve.deployment(
         name="OpenAIIngress",
         num_replicas=sa.ingress_replicas or 1,
-        max_ongoing_requests=max(m.max_ongoing_requests for m in sa.models),
+        # one ingress replica may carry every model's requests at once
+        max_ongoing_requests=sum(m.max_ongoing_requests for m in sa.models),
         ray_actor_options={"num_cpus": 0},
     )(OpenAIIngress)
     return ingress.bind(sa, servers, registry)
 
 
-def engine_deployment(model: ModelArgs) -> dict[str, Any]:
-    """The deployment options of a model's replicas: the ingress itself, or its LLMServer deployment when
-    split. No CPUs are reserved for them: the compute is reserved by the TP worker actors."""
+def engine_deployment(sa: ServeArgs, model: ModelArgs) -> dict[str, Any]:
+    """The deployment options of `model`'s replicas (the ingress itself, or its LLMServer deployment when
+    split), from the model's args and the application's. No CPUs are reserved for them: the compute is
+    reserved by the TP worker actors."""
     options: dict[str, Any] = {
         "max_ongoing_requests": model.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": 0},
