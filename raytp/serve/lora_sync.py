@@ -59,8 +59,8 @@ class LoRASync:
                 await self._poll()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
-                logger.warning("LoRA registry unreachable (%s); retrying in %.0f s", e, RETRY_S)
+            except Exception as e:  # the registry's replica being replaced, or the owner failing to apply
+                logger.warning("LoRA table not followed (%s); retrying in %.0f s", e, RETRY_S)
                 await asyncio.sleep(RETRY_S)
 
     async def stop(self) -> None:

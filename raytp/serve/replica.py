@@ -160,6 +160,9 @@ class ModelReplica:
                 return
             except LoRAError:
                 continue
+            except Exception as e:  # a dead engine: the replica is being replaced, with its adapters
+                logger.warning("unloading LoRA adapter %d failed: %s", lora_int_id, e)
+                return
 
     async def model_info(self) -> dict[str, Any]:
         return self._info
