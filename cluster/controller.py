@@ -40,12 +40,11 @@ little memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -103,8 +102,10 @@ class EngineLoop:
             # The request waits here for its grammar (compiled on the grammar thread), not in the step.
             await self.engine.structured.prepare(params.structured_outputs)
         if lora_request is not None:
-            # Returns with the adapter registered and no await after that, so it is still loaded in _add.
-            await self.add_lora(lora_request)
+            # Until the adapter is loaded when _add runs, with no await between: a remove that slipped in after
+            # a load finished makes this load it again, never the engine on the event loop.
+            while self.engine.loras.check(lora_request):
+                await self.add_lora(lora_request)
         queue = self._add(request_id, prompt_token_ids, params, lora_request)
         finished = False
         try:
@@ -153,9 +154,7 @@ class EngineLoop:
         await self._wait_lora_op(lora.lora_int_id if isinstance(lora, LoRARequest) else None)
         if not self.engine.loras.check(lora):  # the adapter's config, read on the loop: a fast refusal
             return False
-        async with self._lora_op(lora.lora_int_id):
-            await self._on_workers(self.engine.executor.add_lora, lora)
-            self.engine.loras.register(lora)
+        await self._lora_op(lora.lora_int_id, self._load(lora))
         return True
 
     async def remove_lora(self, lora_int_id: int) -> bool:
@@ -165,12 +164,15 @@ class EngineLoop:
             return False
         # Forgotten first: a request naming it from now on loads it again, after this unload.
         self.engine.loras.unregister(lora_int_id)
-        async with self._lora_op(lora_int_id):
-            await self._on_workers(self.engine.executor.remove_lora, lora_int_id)
+        await self._lora_op(lora_int_id, self._on_workers(self.engine.executor.remove_lora, lora_int_id))
         return True
 
     async def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
+
+    async def _load(self, lora: LoRARequest) -> None:
+        await self._on_workers(self.engine.executor.add_lora, lora)
+        self.engine.loras.register(lora)
 
     async def _wait_lora_op(self, lora_int_id: int | None) -> None:
         self._check_serving()
@@ -178,14 +180,22 @@ class EngineLoop:
             await busy.wait()
         self._check_serving()
 
-    @contextlib.asynccontextmanager
-    async def _lora_op(self, lora_int_id: int) -> AsyncIterator[None]:
+    async def _lora_op(self, lora_int_id: int, work: Coroutine[Any, Any, Any]) -> None:
+        """Run `work` as a task of its own, the one op on this adapter id until it ends. Shielded: a caller
+        that goes away (a client disconnecting mid-load) cannot leave the ranks and the registry disagreeing."""
         done = self._lora_ops[lora_int_id] = asyncio.Event()
-        try:
-            yield
-        finally:
-            del self._lora_ops[lora_int_id]
-            done.set()
+
+        async def run() -> None:
+            try:
+                await work
+            finally:
+                del self._lora_ops[lora_int_id]
+                done.set()
+
+        task = asyncio.get_running_loop().create_task(run())
+        # Its error reaches the caller through the shield; if the caller left, it is retrieved here.
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+        await asyncio.shield(task)
 
     async def _on_workers(self, call: Callable[..., T], *args: Any) -> T:
         """Run an executor call in the step thread, between two steps. A failure other than the adapter's

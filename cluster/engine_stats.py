@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cluster.metrics.stats import FinishedRequestStats, FinishReason, IterationStats, SchedulerStats
+from cluster.lora_registry import LoRARegistry
+from cluster.metrics.stats import FinishedRequestStats, FinishReason, IterationStats, LoRAStats, SchedulerStats
 from cluster.outputs import RequestDelta, RequestMetrics
 from kv import BlockManager
 from scheduler.outputs import SchedulerOutput
@@ -45,9 +46,11 @@ class _Tracked:
 
 
 class EngineStatsCollector:
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, loras: LoRARegistry | None = None) -> None:
+        """`loras`: the engine's adapters, for their names (only engines with enable_lora report LoRA stats)."""
         self._scheduler = scheduler
         self._bm = block_manager
+        self._loras = loras if loras is not None and loras.enabled else None
         self._requests: dict[str, _Tracked] = {}
         # Running totals at the previous call: the stats records carry deltas.
         self._prefix_queries = block_manager.prefix_cache_queries
@@ -67,9 +70,21 @@ class EngineStatsCollector:
             kv_cache_usage=min(max(bm.usage(), 0.0), 1.0),
             prefix_cache_queries=queries - self._prefix_queries,
             prefix_cache_hits=hits - self._prefix_hits,
+            lora=self._lora_stats(),
         )
         self._prefix_queries, self._prefix_hits = queries, hits
         return stats
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self._loras is None:
+            return None
+        loras = self._loras
+
+        def names(ids: set[int]) -> tuple[str, ...]:
+            return tuple(sorted((a.lora_name if (a := loras.get(i)) is not None else str(i)) for i in ids))
+
+        sched = self._scheduler
+        return LoRAStats(names(sched.active_loras()), names(sched.waiting_loras()), sched.config.max_loras)
 
     def iteration_stats(
         self,

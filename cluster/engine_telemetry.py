@@ -30,7 +30,7 @@ from scheduler.sampling_params import SamplingParams
 
 class EngineTelemetry:
     def __init__(self, engine: LLMEngine, replica: str, model_name: str) -> None:
-        self._stats = EngineStatsCollector(engine.scheduler, engine.block_manager)
+        self._stats = EngineStatsCollector(engine.scheduler, engine.block_manager, engine.loras)
         self._metrics = EngineMetrics(model_name, replica, num_ranks=engine.config.tensor_parallel_size)
         engine.executor.start_metrics(model_name, replica)  # the ranks record their own step times
         # Every gauge and counter exists (at 0) before the first request, so increase() sees its first rise.

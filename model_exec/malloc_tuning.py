@@ -20,12 +20,22 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLDS = (1 << 30, 32 << 20)  # the first one glibc takes; 32 MiB: the documented maximum
 TRIM_THRESHOLD = 1 << 30
+
+
+ENV = "RAYTP_MALLOC_TUNING"  # "0": leave glibc's defaults (the test suite: dozens of engines in one process)
+
+
+def enabled() -> bool:
+    """False when RAYTP_MALLOC_TUNING=0. The test suite sets it: its pytest process starts and drops dozens of
+    in-process engines, and memory each one freed would otherwise stay with the process for the whole run."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 @functools.cache

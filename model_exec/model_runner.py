@@ -219,7 +219,7 @@ class ModelRunner:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
         host = self._host_inputs(rows)
         if self.lora is not None:
-            with self.lora.context.use(self.lora.step([r.state.lora_id for r in rows], host.starts)):
+            with self.lora.batch([r.state.lora_id for r in rows], host.starts):
                 hidden = self._forward(host, kv_caches)
         elif any(r.state.lora_id for r in rows):
             raise ValueError("the step runs a LoRA adapter, but this engine was started without enable_lora")

@@ -108,7 +108,7 @@ class ModelShard:
             torch.cuda.empty_cache()
             # Before the TP group and the weights: NCCL's buffers and the weights count as this rank's.
             self._mem_at_start = take_snapshot(torch.cuda, self.device)
-        else:  # every step's activations come from malloc: keep them off fresh pages
+        elif malloc_tuning.enabled():  # every step's activations come from malloc: keep them off fresh pages
             malloc_tuning.keep_freed_memory()
         if world_size == 1:
             self.tp = TPGroup.single()

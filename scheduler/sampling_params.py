@@ -114,7 +114,8 @@ class SamplingParams:
             _finite_in("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "a map to values in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise RequestError(
-                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.",
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}.",
                 "structured_outputs",
             )
         if self.best_of is not None and self.best_of > 1 and self.temperature == 0.0:

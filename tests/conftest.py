@@ -24,6 +24,9 @@ import sys
 import pytest
 
 _session: pytest.Session | None = None
+# In-process engines leave glibc's malloc as it is (model_exec/malloc_tuning.py): with the tuning, memory each
+# of the session's dozens of engines freed stays with this process until the end of the run.
+os.environ.setdefault("RAYTP_MALLOC_TUNING", "0")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

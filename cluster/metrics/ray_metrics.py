@@ -26,12 +26,13 @@ Instruments are created once per process, lazily, from the registry; recording c
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 
 from ray.util import metrics as ray_metrics
 
 from cluster.metrics.registry import FINISH_REASONS, MetricDef, metric
-from cluster.metrics.stats import BatchProgress, IterationStats, SchedulerStats
+from cluster.metrics.stats import BatchProgress, IterationStats, LoRAStats, SchedulerStats
 
 Tags = dict[str, str]  # passed to Ray as is: Ray merges it into a new dict and never mutates it
 
@@ -126,6 +127,7 @@ class _GaugeKeeper:
 _keeper = _GaugeKeeper()
 
 _SUCCESS = metric("request_success")
+_LORA_INFO = metric("lora_requests_info")
 _SCHEDULER_GAUGES = (
     (metric("num_requests_running"), "num_running_reqs"),
     (metric("num_requests_waiting"), "num_waiting_reqs"),
@@ -161,6 +163,7 @@ class EngineMetrics:
         self._tags = {"model_name": model_name, "replica": replica}
         self._scheduler_started = False
         self._iteration_started = False
+        self._lora_tags: dict[str, str] | None = None  # the lora_requests_info series set last
         for rank in range(num_ranks):
             _zero(metric("worker_failures"), {**self._tags, "rank": str(rank)})
 
@@ -173,6 +176,22 @@ class EngineMetrics:
             _keeper.set(d, self._tags, float(getattr(stats, attr)))
         _count(_PREFIX[0], stats.prefix_cache_queries, self._tags)
         _count(_PREFIX[1], stats.prefix_cache_hits, self._tags)
+        if stats.lora is not None:
+            self._record_lora(stats.lora)
+
+    def _record_lora(self, lora: LoRAStats) -> None:
+        """vLLM's way: one live series, labelled with the adapters, set to the current time. The series of
+        the previous label set stops being refreshed, so Ray ages it out."""
+        tags = {
+            **self._tags,
+            "running_lora_adapters": ",".join(lora.running_adapters),
+            "waiting_lora_adapters": ",".join(lora.waiting_adapters),
+            "max_lora": str(lora.max_lora),
+        }
+        if self._lora_tags is not None and self._lora_tags != tags:
+            _keeper.forget(self._lora_tags)
+        self._lora_tags = tags
+        _keeper.set(_LORA_INFO, tags, time.time())
 
     def record_iteration_stats(self, stats: IterationStats) -> None:
         tags = self._tags

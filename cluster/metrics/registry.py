@@ -202,6 +202,12 @@ METRICS: tuple[MetricDef, ...] = (
         "worker_failures", "counter", "Tensor-parallel worker actors found dead by their controller.",
         extra=("rank",),
     ),
+    # vLLM's LoRA info gauge: its value is the time (Unix seconds) of the last update, its labels the adapter
+    # names (comma-separated) of the running and waiting requests and max_loras. Only engines with enable_lora.
+    _engine(
+        "lora_requests_info", "gauge", "Running stats on lora requests.",
+        extra=("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+    ),
     _engine("engine_healthy", "gauge", "1 while the engine can serve, 0 once it is dead (until Serve replaces it)."),
     MetricDef("raytp:batch_rows_total", "gauge", "Rows in the batch job's input file.", BATCH_LABELS),
     MetricDef(

@@ -24,6 +24,15 @@ FinishReason = Literal["stop", "length", "abort"]  # registry.FINISH_REASONS, vL
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """What raytp:lora_requests_info shows (vLLM's vllm:lora_requests_info)."""
+
+    running_adapters: tuple[str, ...]  # names of the adapters of the running and swapped requests, sorted
+    waiting_adapters: tuple[str, ...]  # names of the adapters of the waiting requests, sorted
+    max_lora: int  # max_loras: most adapters in one step
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_running_reqs: int  # requests in the `running` queue after this step's schedule()
     num_waiting_reqs: int  # requests in `waiting` (new, and preempted by recompute)
@@ -31,6 +40,7 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of device KV blocks in use, 0.0 to 1.0 (BlockManager.usage)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the last SchedulerStats
     prefix_cache_hits: int = 0  # of those, tokens whose KV was found cached
+    lora: LoRAStats | None = None  # None: the engine serves no adapters (enable_lora off)
 
     def __post_init__(self) -> None:
         if min(self.num_running_reqs, self.num_waiting_reqs, self.num_swapped_reqs) < 0:

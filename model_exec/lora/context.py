@@ -5,15 +5,16 @@ for the duration of the forward; every LoRA-capable linear layer of that rank ho
 `LoRAContext` and reads the step from it. So no model's forward signature carries LoRA, and every family
 that builds its projections from `layers/linear.py` gets adapters.
 
-Invariant: `LoRAContext.step` is set only inside `LoRAContext.use(...)` (which refuses nesting) and is None
-otherwise; a forward outside `use` (the profile step, CUDA graph capture, an engine without adapters in the
-step) runs the base model. One context per rank (per model instance), never a module global: the threads
-that simulate TP ranks in tests each hold their own.
+Invariant: `LoRAContext.step` is set only inside `LoRAContext.use(...)` (through `LoRAManager.batch`; it
+refuses nesting) and is None otherwise; a forward outside `use` (the profile step, CUDA graph capture) runs the
+base model. One context per rank (per model instance), never a module global: the threads that simulate TP
+ranks in tests each hold their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -49,17 +50,34 @@ class StepLoRA:
 
 
 class LoRAContext:
-    """Holds the running step's `StepLoRA` for one rank's LoRA layers (see the module's invariant)."""
+    """Holds the running step's `StepLoRA` for one rank's LoRA layers (see the module's invariant).
+
+    A forward holds the context's lock from start to end, and adapters are committed to or dropped from the
+    layers only under it (`between_steps`), so a forward never sees an adapter half-replaced, even when the
+    controller adds one from another thread (the in-process executor's event loop) while a step runs.
+    """
 
     def __init__(self) -> None:
         self.step: StepLoRA | None = None
+        self._lock = threading.Lock()
+        self._running = False
 
     @contextmanager
-    def use(self, step: StepLoRA | None) -> Iterator[None]:
-        if self.step is not None:
-            raise RuntimeError("a LoRA step is already running on this rank (forwards do not nest)")
-        self.step = step
-        try:
+    def use(self, build: Callable[[], StepLoRA | None]) -> Iterator[StepLoRA | None]:
+        """Runs a forward under the step `build()` returns; built under the lock, so the adapters it checks
+        are the ones the forward reads."""
+        if self._running:
+            raise RuntimeError("a forward is already running on this rank's LoRA context (forwards do not nest)")
+        with self._lock:
+            step = build()
+            self._running, self.step = True, step
+            try:
+                yield step
+            finally:
+                self._running, self.step = False, None
+
+    @contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """Waits for a running forward to end and keeps the next one out while the block runs."""
+        with self._lock:
             yield
-        finally:
-            self.step = None

@@ -13,6 +13,7 @@ changes, so a LoRAError leaves the rank as it was.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 
 from model_exec.layers.linear import FUSED, ColumnParallelLinear, LinearBase, RowParallelLinear
 from model_exec.lora.checkpoint import ModulePair, group_by_module, read_lora_tensors
@@ -56,13 +57,14 @@ class LoRAManager:
         except LoRAError as e:
             raise LoRAError(f"{where}: {e}") from None
         weights = self._build(group_by_module(tensors, where), config, where)
-        for name, layer in self.layers.items():  # commit: nothing below raises
-            assert layer.lora is not None
-            if name in weights:
-                layer.lora.adapters[lora.lora_int_id] = weights[name]
-            else:
-                layer.lora.adapters.pop(lora.lora_int_id, None)
-        self.loaded[lora.lora_int_id] = lora
+        with self.context.between_steps():  # commit: nothing below raises
+            for name, layer in self.layers.items():
+                assert layer.lora is not None
+                if name in weights:
+                    layer.lora.adapters[lora.lora_int_id] = weights[name]
+                else:
+                    layer.lora.adapters.pop(lora.lora_int_id, None)
+            self.loaded[lora.lora_int_id] = lora
         size = sum(w.nbytes for w in weights.values())
         logger.info(
             "loaded %s (id %d, rank %d): %d layers, %.1f MiB",
@@ -70,17 +72,22 @@ class LoRAManager:
         )
 
     def remove(self, lora_int_id: int) -> bool:
-        if self.loaded.pop(lora_int_id, None) is None:
-            return False
-        for layer in self.layers.values():
-            assert layer.lora is not None
-            layer.lora.adapters.pop(lora_int_id, None)
-        return True
+        with self.context.between_steps():
+            if self.loaded.pop(lora_int_id, None) is None:
+                return False
+            for layer in self.layers.values():
+                assert layer.lora is not None
+                layer.lora.adapters.pop(lora_int_id, None)
+            return True
 
     def lora_ids(self) -> list[int]:
         return sorted(self.loaded)
 
     # ------------------------------------------------------------------ steps
+    def batch(self, row_lora_ids: list[int], starts: list[int]) -> AbstractContextManager[StepLoRA | None]:
+        """The context to run one forward in: its rows' adapters (`step`) set for the LoRA layers."""
+        return self.context.use(lambda: self.step(row_lora_ids, starts))
+
     def step(self, row_lora_ids: list[int], starts: list[int]) -> StepLoRA | None:
         """The step's token groups (`StepLoRA.from_rows`), after checking every adapter named is loaded and
         that the step holds at most max_loras of them (the controller never sends otherwise)."""
@@ -107,7 +114,7 @@ class LoRAManager:
             name, part_ids = self._place(hf_module, config, where)
             pieces.setdefault(name, []).append(Piece(hf_module, part_ids, pair))
         for hf in sorted(model_names):  # every module a target names has its weights
-            if hf.rpartition(".")[2] in config.target_modules and hf not in pairs:
+            if config.targets(hf) and hf not in pairs:
                 raise LoRAError(f"{where}: no weights for {hf}, which target_modules names")
         built: dict[str, LoRAWeights] = {}
         for name, layer_pieces in pieces.items():
@@ -122,11 +129,10 @@ class LoRAManager:
 
     def _place(self, hf_module: str, config: AdapterConfig, where: str) -> tuple[str, tuple[str | int | None, ...]]:
         """(raytp module name, the parts of it that `hf_module` covers), or LoRAError naming the module."""
-        last = hf_module.rpartition(".")[2]
         if ".experts." in f"{hf_module}.":
             raise LoRAError(f"{where}: {hf_module} is inside a MoE layer's experts, which LoRA does not adapt here")
-        if last not in config.target_modules:
-            raise LoRAError(f"{where}: weights for {hf_module}, but target_modules does not name {last}")
+        if not config.targets(hf_module):
+            raise LoRAError(f"{where}: weights for {hf_module}, but target_modules does not name it")
         target = self.model.checkpoint_param(f"{hf_module}.weight")
         name = target[0].removesuffix(".weight") if target is not None else None
         if name is None or name not in self.layers:

@@ -29,6 +29,15 @@ class AdapterConfig:
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
     target_modules: frozenset[str]  # module names (the last component: q_proj, down_proj, ...)
     weights_file: str  # absolute path of the adapter's weights
+    # target_modules as written: PEFT adapts a module whose name equals an entry or ends with "." + entry, so
+    # "model.layers.0.self_attn.q_proj" adapts layer 0 only; () means every module named in target_modules
+    target_names: tuple[str, ...] = ()
+
+    def targets(self, module: str) -> bool:
+        """Whether PEFT adapted the HF module `module` (model.layers.3.self_attn.q_proj) under this config."""
+        if not self.target_names:
+            return module.rpartition(".")[2] in self.target_modules
+        return any(module == t or module.endswith(f".{t}") for t in self.target_names)
 
 
 def read_adapter_config(lora: LoRARequest, max_lora_rank: int) -> AdapterConfig:
@@ -81,4 +90,10 @@ def read_adapter_config(lora: LoRARequest, max_lora_rank: int) -> AdapterConfig:
     )
     if weights is None:
         raise LoRAError(f"{where}: no {' or '.join(WEIGHT_FILES)} there.")
-    return AdapterConfig(rank=rank, scaling=float(scaling), target_modules=names, weights_file=weights)
+    return AdapterConfig(
+        rank=rank,
+        scaling=float(scaling),
+        target_modules=names,
+        weights_file=weights,
+        target_names=tuple(str(t) for t in targets),
+    )

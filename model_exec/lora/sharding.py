@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model_exec.layers.linear import ColumnParallelLinear, RowParallelLinear, shard_of
+from model_exec.layers import cpu_gemm
+from model_exec.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, shard_of
 from model_exec.lora.checkpoint import ModulePair
 from model_exec.lora.slots import LoRAWeights
 from scheduler.lora import LoRAError
@@ -56,7 +57,7 @@ def column_weights(
         for sid, b_part in zip(piece.part_ids, piece.pair.b.float().split(full_sizes), strict=True):
             offset, size = parts[sid]
             b_t[cols, offset : offset + size] = scaling * shard_of(b_part, 0, size, tp).T
-    return _on_layer(layer.weight, a_t, b_t)
+    return _on_layer(layer, a_t, b_t)
 
 
 def row_weights(
@@ -67,11 +68,16 @@ def row_weights(
     _check_shape(piece.pair.a, (rank, in_rank * layer.tp.world_size), "lora_A", where, piece, module)
     _check_shape(piece.pair.b, (out_size, rank), "lora_B", where, piece, module)
     a_t = shard_of(piece.pair.a.float(), 1, in_rank, layer.tp).T
-    return _on_layer(layer.weight, a_t, scaling * piece.pair.b.float().T)
+    return _on_layer(layer, a_t, scaling * piece.pair.b.float().T)
 
 
-def _on_layer(weight: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> LoRAWeights:
-    """Contiguous copies in the base weight's dtype and device (the scaling was applied in fp32)."""
-    return LoRAWeights(
-        a_t=a_t.to(weight.device, weight.dtype).contiguous(), b_t=b_t.to(weight.device, weight.dtype).contiguous()
-    )
+def _on_layer(layer: LinearBase, a_t: torch.Tensor, b_t: torch.Tensor) -> LoRAWeights:
+    """The layer's LoRAWeights from fp32 A^T and (sB)^T (the scaling applied in fp32): in the base weight's dtype
+    and on its device, packed into panels where the base layer runs on the panel kernel."""
+    width, out_features = b_t.shape
+    if layer.panel_weight is not None:  # fp32 on the CPU, the kernel built
+        a, b = cpu_gemm.pack_panels(a_t.T.contiguous()), cpu_gemm.pack_panels(b_t.T.contiguous())
+        return LoRAWeights(a, b, width, out_features, panels=True)
+    weight = layer.weight
+    a, b = a_t.to(weight.device, weight.dtype).contiguous(), b_t.to(weight.device, weight.dtype).contiguous()
+    return LoRAWeights(a, b, width, out_features, panels=False)

@@ -15,19 +15,38 @@ from dataclasses import dataclass
 
 import torch
 
+from model_exec.layers import cpu_gemm
 from model_exec.lora.context import LoRAContext
 
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    """One adapter's matrices on one layer of this rank, transposed for `x @ a_t @ b_t`."""
+    """One adapter's matrices on one layer of this rank: A (column-parallel: over the whole input; row-parallel:
+    this rank's cut of it) and scaling x B (column-parallel: this rank's rows; row-parallel: all of them).
 
-    a_t: torch.Tensor  # [in_rank, total_rank]: A^T (column-parallel: whole input; row-parallel: this rank's cut)
-    b_t: torch.Tensor  # [total_rank, out_rank]: (scaling x B)^T (column-parallel: this rank's rows; row: all)
+    Dense (`panels` False): a = A^T [in, width], b = (sB)^T [width, out], for `x @ a @ b`. Panels (True: the base
+    layer runs on raytp's CPU panel GEMM, `layers/cpu_gemm.py`): a = A and b = sB packed by `pack_panels`, run by
+    the same kernel; measured on a 64-row SmolLM2 decode step with 4 adapters of rank 16 it takes the LoRA
+    products' time from ~35 to ~17 ms (MKL runs these 16-row GEMMs at a fraction of the panel kernel's rate).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    width: int  # A's rows: the adapter's rank x the parts it stacks
+    out_features: int  # B's rows: the layer's output features on this rank
+    panels: bool
+
+    def add_product(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += x A^T (sB)^T, in place (x [n, in], y [n, out], views of the step's tensors)."""
+        if self.panels:
+            xa = cpu_gemm.panel_linear(x, self.a, self.width, None)
+            y.add_(cpu_gemm.panel_linear(xa, self.b, self.out_features, None))
+        else:
+            y.addmm_(x @ self.a, self.b)
 
     @property
     def nbytes(self) -> int:
-        return self.a_t.nbytes + self.b_t.nbytes
+        return self.a.nbytes + self.b.nbytes
 
 
 class LoRASlots:
@@ -57,4 +76,4 @@ class LoRASlots:
             if w is None:
                 continue
             for start, stop in ranges:
-                y[start:stop].addmm_(x[start:stop] @ w.a_t, w.b_t)
+                w.add_product(x[start:stop], y[start:stop])

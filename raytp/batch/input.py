@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,13 +94,46 @@ class Validation:
     num_errors: int
 
 
-def _names_another_model(body: dict[str, Any], served_model: str | None) -> bool:
+def model_of(body: dict[str, Any], default: str) -> str:
+    """The model a row runs on: its `model`, or the job's first model when it names none."""
     model = body.get("model")
-    return served_model is not None and isinstance(model, str) and model != "" and model != served_model
+    return model if isinstance(model, str) and model else default
 
 
-def validate_file(path: str | Path, served_model: str | None = None) -> Validation:
-    """Every structural fault of the file (one pass, streamed). With `served_model`, a row that names another
+def rows_by_model(path: str | Path, default: str) -> dict[str, set[str]]:
+    """The custom_ids of each model's rows (a validated file), streamed."""
+    rows: dict[str, set[str]] = {}
+    for item in iter_rows(path):
+        if isinstance(item, BatchRow):
+            rows.setdefault(model_of(item.body, default), set()).add(item.custom_id)
+    return rows
+
+
+def _model_error(body: dict[str, Any], served: Sequence[str] | None, line: int) -> BatchError | None:
+    """A row naming a model the job does not serve (the server would answer 404), or naming none when the job
+    serves several."""
+    if not served:
+        return None
+    model = body.get("model")
+    if len(served) > 1 and not (isinstance(model, str) and model):
+        return BatchError(
+            "missing_required_parameter",
+            f"This job serves several models ({', '.join(served)}): each row must name one as `model`.",
+            "body.model",
+            line,
+        )
+    if isinstance(model, str) and model and model not in served:
+        return BatchError(
+            "model_not_found",
+            f"The model `{model}` is not served by this job; it serves {', '.join(f'`{s}`' for s in served)}.",
+            "body.model",
+            line,
+        )
+    return None
+
+
+def validate_file(path: str | Path, served_models: Sequence[str] | None = None) -> Validation:
+    """Every structural fault of the file (one pass, streamed). With `served_models`, a row that names another
     model is refused too: the server would answer it 404, so the job would run only to fail it."""
     seen: set[str] = set()
     errors: list[BatchError] = []
@@ -110,13 +143,8 @@ def validate_file(path: str | Path, served_model: str | None = None) -> Validati
             item = BatchError(
                 "duplicate_custom_id", f"custom_id {item.custom_id!r} appears more than once.", "custom_id", item.line
             )
-        elif isinstance(item, BatchRow) and _names_another_model(item.body, served_model):
-            item = BatchError(
-                "model_not_found",
-                f"The model `{item.body['model']}` is not served by this job; it serves `{served_model}`.",
-                "body.model",
-                item.line,
-            )
+        elif isinstance(item, BatchRow) and (bad := _model_error(item.body, served_models, item.line)):
+            item = bad
         if isinstance(item, BatchError):
             num_errors += 1
             if len(errors) < MAX_LISTED_ERRORS:

@@ -28,7 +28,7 @@ from cluster.config import EngineConfig
 from cluster.metrics.ray_metrics import BatchMetrics
 from cluster.metrics.stats import BatchProgress
 from model_exec.source import resolve_model
-from raytp.batch.input import BatchError, BatchRow, iter_rows, validate_file
+from raytp.batch.input import BatchError, BatchRow, iter_rows, model_of, rows_by_model, validate_file
 from raytp.batch.journal import Journal
 from raytp.batch.output import is_failure, write_final
 from raytp.batch.status import BatchStatus, status_path_for
@@ -47,7 +47,28 @@ class BatchRefused(ValueError):
 
 
 @dataclass(frozen=True)
+class BatchModel:
+    """One model a batch job serves: its engine, the name rows send as `model`, and its engine replicas."""
+
+    engine: EngineConfig
+    served_model_name: str | None = None
+    num_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError("num_replicas must be at least 1.")
+
+    @property
+    def model_name(self) -> str:
+        """The name rows send as `model`: as the server names it."""
+        return self.served_model_name or resolve_model(self.engine.model, self.engine.revision).name
+
+
+@dataclass(frozen=True)
 class BatchJob:
+    """A batch file over one model (`engine`, `served_model_name`, `num_replicas`) or, with `more_models`,
+    several: each row names its model in `body.model` (a row may omit it only when the job serves one)."""
+
     input_file: str
     output_file: str
     error_file: str | None
@@ -57,6 +78,7 @@ class BatchJob:
     num_replicas: int = 1
     batch_size: int = 64  # rows per map_batches call: all of them are in the engine at once
     show_progress: bool = True
+    more_models: tuple[BatchModel, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -65,9 +87,22 @@ class BatchJob:
             raise ValueError("batch_size must be at least 1.")
 
     @property
+    def models(self) -> tuple[BatchModel, ...]:
+        return (BatchModel(self.engine, self.served_model_name, self.num_replicas), *self.more_models)
+
+    @property
     def model_name(self) -> str:
-        """The name rows must send as `model` (or omit): as the server names it."""
-        return self.served_model_name or resolve_model(self.engine.model, self.engine.revision).name
+        """The first model's name: the one rows that name no model go to."""
+        return self.models[0].model_name
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every served name, in order; two models under one name are refused."""
+        names = [m.model_name for m in self.models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models of this job are served as {', '.join(twice)}: set served_model_name.")
+        return names
 
     @property
     def journal_path(self) -> Path:
@@ -75,10 +110,15 @@ class BatchJob:
         return p.with_name(p.name + ".journal")
 
 
-def _pending(batch: dict[str, np.ndarray], done: frozenset[str]) -> dict[str, np.ndarray]:
-    """Input lines not yet committed (line numbers are not needed: the file is already validated)."""
-    texts = [str(t) for t in batch["text"] if str(t).strip()]
-    keep = [t for t in texts if json.loads(t)["custom_id"] not in done]
+def _pending(batch: dict[str, np.ndarray], done: frozenset[str], model: str, default: str) -> dict[str, np.ndarray]:
+    """Input lines of `model` not yet committed (line numbers are not needed: the file is already validated).
+    A line naming no model belongs to `default`."""
+    rows = [json.loads(str(t)) for t in batch["text"] if str(t).strip()]
+    keep = [
+        json.dumps(r, ensure_ascii=False)
+        for r in rows
+        if r["custom_id"] not in done and model_of(r["body"], default) == model
+    ]
     return {"line": np.zeros(len(keep), dtype=np.int64), "text": np.array(keep, dtype=object)}
 
 
@@ -102,12 +142,14 @@ def _usage(line: dict[str, Any]) -> tuple[int, int]:
     return int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
 
 
-def _served_name_if_known(job: BatchJob) -> str | None:
-    """The served model's name, or None when the model does not resolve (then the file is checked without it,
-    and the job fails at the model's load, naming it)."""
+def _served_names_if_known(job: BatchJob) -> list[str] | None:
+    """The served models' names, or None when a model does not resolve (then the file is checked without them,
+    and the job fails at that model's load, naming it)."""
     try:
-        return job.model_name
+        return job.model_names
     except Exception:
+        if job.more_models:  # several models: rows cannot be checked without their names
+            raise
         return None
 
 
@@ -115,7 +157,7 @@ def validate_only(job: BatchJob) -> BatchStatus:
     """The whole file and its journal checked, no compute; raises BatchRefused listing each bad line."""
     status = BatchStatus(status_path_for(job.output_file), job.input_file, job.output_file, job.error_file)
     status.set("validating")
-    checked = validate_file(job.input_file, _served_name_if_known(job))
+    checked = validate_file(job.input_file, _served_names_if_known(job))
     errors = checked.errors
     message = f"{checked.num_errors} invalid line(s) in {job.input_file}"
     if not errors and job.journal_path.exists():
@@ -138,14 +180,18 @@ def run_batch(job: BatchJob) -> BatchStatus:
     status = validate_only(job)
     journal = Journal(job.journal_path)
     # The job's progress gauges (raytp:batch_rows_*), labelled by the status file's batch id.
-    metrics = BatchMetrics(job.model_name, status.id)
+    metrics = BatchMetrics(",".join(job.model_names), status.id)
     try:
         _count_committed(journal, status)
         status.set("in_progress")
-        for _ in range(MAX_PASSES):
-            if len(journal.done) >= status.total:
-                break
-            _one_pass(job, journal, status, metrics)
+        rows_of = rows_by_model(job.input_file, job.model_name)
+        # One model at a time, in the job's order: the cluster holds one model's engines at once.
+        for model in job.models:
+            ids = rows_of.get(model.model_name, set())
+            for _ in range(MAX_PASSES):
+                if ids <= journal.done.keys():
+                    break
+                _one_pass(job, model, journal, status, metrics)
         if len(journal.done) < status.total:
             status.set("failed")
             raise RuntimeError(
@@ -175,22 +221,24 @@ def _record(metrics: BatchMetrics, status: BatchStatus) -> None:
     metrics.record_progress(BatchProgress(rows_total=status.total, rows_done=done, rows_failed=status.failed))
 
 
-def _one_pass(job: BatchJob, journal: Journal, status: BatchStatus, metrics: BatchMetrics) -> None:
+def _one_pass(job: BatchJob, model: BatchModel, journal: Journal, status: BatchStatus, metrics: BatchMetrics) -> None:
+    """One pass over `model`'s rows not yet journalled, through its own engine replicas."""
     import ray
     from tqdm import tqdm
 
     from raytp.batch.replica import BatchReplica
 
     ds = ray.data.read_text(os.path.abspath(job.input_file))
-    ds = ds.map_batches(functools.partial(_pending, done=frozenset(journal.done)), batch_format="numpy")
+    pending = functools.partial(_pending, done=frozenset(journal.done), model=model.model_name, default=job.model_name)
+    ds = ds.map_batches(pending, batch_format="numpy")
     ds = ds.map_batches(
         BatchReplica,
         fn_constructor_kwargs={
-            "engine_config": job.engine,
-            "served_model_name": job.served_model_name,
+            "engine_config": model.engine,
+            "served_model_name": model.model_name,
             "chat": job.chat,
         },
-        concurrency=job.num_replicas,
+        concurrency=model.num_replicas,
         batch_size=job.batch_size,
         num_cpus=0,  # the replica only relays; its controller and workers hold the resources
         batch_format="numpy",

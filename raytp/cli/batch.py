@@ -1,6 +1,7 @@
 """`raytp batch`: an OpenAI batch file through N engine replicas on Ray, resumable, exactly once.
 
 raytp batch -i IN.jsonl -o OUT.jsonl [--error-file ERR.jsonl] [MODEL] [--num-replicas N] [engine flags]
+raytp batch -i IN.jsonl -o OUT.jsonl --models-file MODELS.yaml [engine flags]   # rows name their `model`
 
 Runs the same way directly (a local Ray is started), under `ray job submit -- raytp batch ...`
 (RAY_ADDRESS names the cluster) and as the Helm chart's RayJob. Rerunning the same command after any
@@ -29,6 +30,12 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-replicas", type=int, default=1, help="engine replicas sharing the rows")
     p.add_argument("--max-concurrency", type=int, default=64, help="rows in flight per replica")
     p.add_argument("--served-model-name", default=None, help="the model name bodies may send")
+    p.add_argument(
+        "--models-file",
+        default=None,
+        help="YAML/JSON list of models (`models:` entries of engine settings, served_model_name, num_replicas) "
+        "for a file whose rows name several models; the engine flags are each entry's defaults",
+    )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     add_config_args(p.add_argument_group("chat"), ChatSettings)
     add_engine_args(p)
@@ -39,19 +46,32 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
 def cmd_batch(args: argparse.Namespace) -> int:
     import ray
 
-    from raytp.batch.runner import BatchJob, BatchRefused, run_batch, validate_only
+    from raytp.batch.models_file import read_models_file
+    from raytp.batch.runner import BatchJob, BatchModel, BatchRefused, run_batch, validate_only
 
     engine = dataclasses.replace(engine_config_from_args(args), model=args.model)
+    models = [BatchModel(engine, args.served_model_name, args.num_replicas)]
+    if args.models_file is not None:
+        if args.model is not None or args.served_model_name is not None:
+            print("raytp batch: give the models either as MODEL or in --models-file, not both.", file=sys.stderr)
+            return 2
+        try:
+            models = read_models_file(args.models_file, engine, args.num_replicas)
+        except (OSError, ValueError) as e:
+            print(f"raytp batch: {e}", file=sys.stderr)
+            return 2
+    first, *more = models
     job = BatchJob(
         input_file=args.input_file,
         output_file=args.output_file,
         error_file=args.error_file,
-        engine=engine,
-        served_model_name=args.served_model_name,
+        engine=first.engine,
+        served_model_name=first.served_model_name,
         chat=ChatSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ChatSettings)}),
-        num_replicas=args.num_replicas,
+        num_replicas=first.num_replicas,
         batch_size=args.max_concurrency,
         show_progress=not args.no_progress and sys.stderr.isatty(),
+        more_models=tuple(more),
     )
     try:
         validate_only(job)  # refuse a bad file before Ray or any model starts

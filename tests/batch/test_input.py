@@ -139,3 +139,56 @@ def test_rows_naming_a_model_not_served_are_refused_up_front(tmp_path: Path, cap
     listed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
     assert [(e["line"], e["code"], e["param"]) for e in listed] == [(2, "model_not_found", "body.model")]
     assert "tiny-served" in listed[0]["message"]
+
+
+def test_a_file_for_several_models_names_one_in_every_row(tmp_path: Path, capsys: Any) -> None:
+    """With --models-file, each row must name one of the job's models; the refusal lists them."""
+    models = tmp_path / "models.yaml"
+    models.write_text(
+        "models:\n  - {model: /nowhere/a, served_model_name: a}\n  - {model: /nowhere/b, served_model_name: b}\n"
+    )
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            json.dumps({**row("a"), "body": {**row("a")["body"], "model": "a"}}),
+            json.dumps(row("none")),
+            json.dumps({**row("c"), "body": {**row("c")["body"], "model": "c"}}),
+            json.dumps({**row("b"), "body": {**row("b")["body"], "model": "b"}}),
+        ],
+    )
+    rc = main(["batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--models-file", str(models)])
+    assert rc == 2
+    listed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert [(e["line"], e["code"], e["param"]) for e in listed] == [
+        (2, "missing_required_parameter", "body.model"),
+        (3, "model_not_found", "body.model"),
+    ]
+    assert "`a`, `b`" in listed[1]["message"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("models: []\n", "non-empty list"),
+        (
+            "models:\n  - {model: /x, served_model_name: a, tensor_parallel: 2}\n",
+            "models[0] has unknown settings: tensor_parallel",
+        ),
+        (
+            "models:\n  - {model: /x, served_model_name: a, tensor_parallel_size: 0}\n",
+            "models[0]: tensor_parallel_size",
+        ),
+        ("models:\n  - {served_model_name: a}\n  - {served_model_name: a}\n", "served as a"),
+    ],
+)
+def test_a_bad_models_file_is_refused_naming_the_entry(tmp_path: Path, capsys: Any, text: str, needle: str) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text(text)
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(row("a"))])
+    try:
+        rc = main(["batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--models-file", str(models)])
+    except ValueError as e:  # a clash of served names is found when the job checks its rows
+        rc, err = 2, str(e)
+    else:
+        err = capsys.readouterr().err
+    assert rc == 2 and needle in err, err

@@ -141,3 +141,39 @@ def test_an_engine_replica_killed_mid_job_loses_and_doubles_nothing(
     assert _journal_lines(journal) == len(reference)
     assert status.status == "completed"
     assert by_id(read_lines(tmp_path / "out.jsonl", tmp_path / "err.jsonl")) == reference
+
+
+def test_a_file_mixing_two_models_answers_each_row_with_its_own(
+    tmp_path: Path, model_dir: str, cluster: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Rows naming `tiny` and `other` (another random model) in one file: each row's body equals what a job
+    serving only its model answers, and names that model."""
+    from raytp.batch.runner import BatchModel
+
+    other_dir = make_tiny_llama(tmp_path_factory.mktemp("other"), seed=1)
+    body = {"max_tokens": 8, "temperature": 0}
+    rows = [
+        {"custom_id": f"{m}-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {**body, "model": m, "prompt": f"row {i}:"}}
+        for i in range(3) for m in (MODEL_NAME, "other")
+    ]  # fmt: skip
+    mixed = BatchJob(
+        str(write_rows(tmp_path / "in.jsonl", rows)), str(tmp_path / "out.jsonl"), None, engine_config(model_dir),
+        MODEL_NAME, show_progress=False, more_models=(BatchModel(engine_config(other_dir), "other"),),
+    )  # fmt: skip
+    assert run_batch(mixed).status == "completed"
+    got = by_id(read_lines(tmp_path / "out.jsonl"))
+    assert set(got) == {r["custom_id"] for r in rows}
+    only_other = [r for r in rows if r["body"]["model"] == "other"]
+    alone = BatchJob(
+        str(write_rows(tmp_path / "other.jsonl", only_other)), str(tmp_path / "alone.jsonl"), None,
+        engine_config(other_dir), "other", show_progress=False,
+    )  # fmt: skip
+    run_batch(alone)
+    want = by_id(read_lines(tmp_path / "alone.jsonl"))
+    texts = {cid: body["choices"][0]["text"] for cid, (_, body) in got.items()}
+    for cid, (status, body) in want.items():
+        assert status == 200 and got[cid][1]["model"] == "other"
+        assert texts[cid] == body["choices"][0]["text"], cid
+    assert [got[f"{MODEL_NAME}-{i}"][1]["model"] for i in range(3)] == [MODEL_NAME] * 3
+    assert any(texts[f"{MODEL_NAME}-{i}"] != texts[f"other-{i}"] for i in range(3)), "the two models look alike"

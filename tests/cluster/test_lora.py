@@ -19,6 +19,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.controller import EngineController
 from cluster.outputs import RequestDelta
+from cluster.ray_executor import RankFailedError
 from raytp import LLM, LoRAError, LoRARequest, SamplingParams
 from tests.cluster.ray_helpers import ray_session  # noqa: F401 - the fixture
 from tests.helpers.family_parity import ENGINE_KWARGS, ENGINE_PROMPTS
@@ -140,6 +141,11 @@ def test_tp2_ray_workers(model: str, adapters: dict[str, LoRARequest], ray_sessi
         check_bad_adapters_leave_the_engine_serving(llm, model, adapters)
         assert llm.remove_lora(1) is True
         assert llm.llm_engine.executor.list_loras() == [2]  # every rank dropped it
+        # a rank that died is an engine failure, not the adapter's
+        ray.kill(llm.llm_engine.executor.workers[1], no_restart=True)
+        with pytest.raises(RankFailedError, match=r"rank 1 of 2 .*load of LoRA adapter 'sql'"):
+            llm.add_lora(adapters["sql"])
+        assert llm.llm_engine.dead is not None
     finally:
         llm.llm_engine.shutdown()
 

@@ -5,9 +5,11 @@ engine serving on after each, load on first use, removal refused while in use, a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ class FakeExecutor(Executor):
         self.seq_lora: dict[int, int] = {}
         self.step_loras: list[set[int]] = []
         self.fail_next_load: Exception | None = None
+        self.load_seconds = 0.0
 
     def determine_num_blocks(self) -> tuple[int, int]:
         return 64, 16
@@ -60,6 +63,7 @@ class FakeExecutor(Executor):
         if self.fail_next_load is not None:
             error, self.fail_next_load = self.fail_next_load, None
             raise error
+        time.sleep(self.load_seconds)
         self.loads.append((lora.lora_name, threading.current_thread().name))
         self.loaded[lora.lora_int_id] = lora
 
@@ -292,8 +296,61 @@ def test_engine_loop_loads_on_its_step_thread(
         assert await loop.remove_lora(2) is True
         assert await loop.remove_lora(2) is False
         assert list(ex.loaded) == [1]
+        # a caller that goes away mid-load does not cut the load between the ranks and the registry
+        ex.load_seconds = 0.3
+        waiting = asyncio.get_running_loop().create_task(collect("gone", adapters["chat"]))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        assert await loop.add_lora(adapters["chat"]) is False  # waited for the load in flight
+        assert list(ex.loaded) == [1, 2] and [a.lora_int_id for a in await loop.list_loras()] == [1, 2]
         stats = await loop.get_stats()
         assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
         await loop.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_lora_requests_info(model: str, adapters: dict[str, LoRARequest], monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.engine_stats import EngineStatsCollector
+    from cluster.metrics import ray_metrics
+    from cluster.metrics.stats import LoRAStats
+
+    engine = make_engine(model, max_loras=1)
+    collector = EngineStatsCollector(engine.scheduler, engine.block_manager, engine.loras)
+    engine.add_request("a", PROMPT, GREEDY, lora_request=adapters["sql"])
+    engine.add_request("b", PROMPT, GREEDY, lora_request=adapters["chat"])
+    engine.add_request("c", PROMPT, GREEDY)
+    engine.step()
+    assert collector.scheduler_stats().lora == LoRAStats(("sql",), ("chat",), 1)
+    run_all(engine)
+    assert collector.scheduler_stats().lora == LoRAStats((), (), 1)
+    off = make_engine(model, enable_lora=False)
+    assert EngineStatsCollector(off.scheduler, off.block_manager, off.loras).scheduler_stats().lora is None
+
+    class Keeper:
+        def __init__(self) -> None:
+            self.live: dict[frozenset[tuple[str, str]], float] = {}
+
+        def set(self, d: Any, tags: dict[str, str], value: float) -> None:
+            if d.name == "raytp:lora_requests_info":
+                self.live[frozenset(tags.items())] = value
+
+        def forget(self, tags: dict[str, str]) -> None:
+            self.live = {k: v for k, v in self.live.items() if not set(tags.items()) <= k}
+
+    keeper = Keeper()
+    monkeypatch.setattr(ray_metrics, "_keeper", keeper)
+    monkeypatch.setattr(ray_metrics, "_count", lambda *args: None)
+    monkeypatch.setattr(ray_metrics, "_zero", lambda *args: None)
+    recorder = ray_metrics.EngineMetrics("m", "r0")
+    stats = collector.scheduler_stats()
+    recorder.record_scheduler_stats(dataclasses.replace(stats, lora=LoRAStats(("sql",), ("chat", "x"), 1)))
+    recorder.record_scheduler_stats(dataclasses.replace(stats, lora=LoRAStats(("chat",), (), 1)))
+    (labels,) = keeper.live  # the previous label set is no longer refreshed
+    assert dict(labels) == {
+        "model_name": "m",
+        "replica": "r0",
+        "running_lora_adapters": "chat",
+        "waiting_lora_adapters": "",
+        "max_lora": "1",
+    }

@@ -96,8 +96,6 @@ def our_lora_prefill_logits(
 ) -> list[torch.Tensor] | None:
     """tiny_models.our_prefill_logits with prompt i run under adapter lora_ids[i] (0: the base model): the
     LoRA context of each step is built from the rows as the model runner builds it. None on ranks other than 0."""
-    from model_exec.lora.context import StepLoRA
-
     tp = tp or TPGroup.single()
     param = next(net.parameters())
     device, dtype = param.device, param.dtype
@@ -111,8 +109,7 @@ def our_lora_prefill_logits(
     for begin, stop in itertools.pairwise(bounds):
         input_ids, positions, meta, num_blocks = prefill_inputs(prompts, block_size, device, begin, stop)
         caches = caches or make_kv_caches(config, tp.world_size, num_blocks, block_size, dtype, device)
-        step = StepLoRA.from_rows(lora_ids, meta.query_start_loc.tolist())
-        with manager.context.use(step):
+        with manager.batch(lora_ids, meta.query_start_loc.tolist()):
             logits = net.compute_logits(net(input_ids, positions, caches, meta))
         if logits is None:
             continue

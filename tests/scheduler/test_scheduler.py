@@ -34,7 +34,9 @@ class FakeWorker:
         self.tokens: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}
         self.sample_index: dict[int, int] = {}
-        self.kv: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}  # slot -> token
+        self.kv: dict[int, list[int | None]] = {
+            b: [None] * block_size for b in range(num_blocks)
+        }  # slot -> token
         self.cpu_kv: dict[int, list[int | None]] = {}
         self.rows_per_step: list[int] = []
         self.tokens_per_step: list[int] = []
@@ -207,7 +209,9 @@ def test_abort_at_any_point_frees_everything(when: int) -> None:
 
 def test_best_of_forks_after_prefill_and_copies_the_shared_partial_block() -> None:
     sched, worker, bm = make(block_size=4)
-    sched.add_request("a", None, [1, 2, 3, 4, 5, 6], SamplingParams(n=2, best_of=3, max_tokens=4, ignore_eos=True), 7)
+    sched.add_request(
+        "a", None, [1, 2, 3, 4, 5, 6], SamplingParams(n=2, best_of=3, max_tokens=4, ignore_eos=True), 7
+    )
     so = sched.schedule()
     assert so.num_samples == {so.new_seqs[0].seq_id: 3}
     sched.update(so, worker.execute(so))

@@ -4,6 +4,7 @@ own adapter merged (or the base model)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -178,3 +179,23 @@ def test_decode_rows_of_one_adapter_are_one_slice(model_and_adapters: tuple[str,
     (step,) = steps
     assert step is not None
     assert step.groups == ((1, ((1, 4),)), (2, ((4, 6),)))
+
+
+def test_adapters_change_only_between_forwards(model_and_adapters: tuple[str, dict[int, str]]) -> None:
+    """remove/add from another thread (the in-process executor's event loop) waits for the running forward;
+    a forward inside a forward is refused."""
+    model, adapters = model_and_adapters
+    runner, _, _ = _runner(model, adapters)
+    manager = runner.lora
+    assert manager is not None
+    removed: list[bool] = []
+    remover = threading.Thread(target=lambda: removed.append(manager.remove(1)))
+    with manager.batch([1, 2], [0, 3, 5]) as step:
+        assert step is not None and step.lora_ids == [1, 2]
+        remover.start()
+        remover.join(timeout=0.3)
+        assert remover.is_alive() and manager.lora_ids() == [1, 2]  # still waiting for the forward to end
+        with pytest.raises(RuntimeError, match="do not nest"), manager.batch([1], [0, 1]):
+            pass
+    remover.join(timeout=10)
+    assert removed == [True] and manager.lora_ids() == [2]

@@ -94,7 +94,7 @@ def _broken_adapters(root: Path, model: str, good: str) -> list[tuple[str, str]]
         ),
         (
             _variant(good, root / "extra", config=lambda c: c.update(target_modules=["q_proj", "k_proj", "v_proj"])),
-            "mlp.down_proj, but target_modules does not name down_proj",
+            "weights for model.layers.0.mlp.down_proj, but target_modules does not name it",
         ),
         (
             _variant(good, root / "junk", lambda t: {**t, "base_model.model.lm_head.weight": torch.zeros(2, 2)}),
@@ -154,3 +154,25 @@ def test_shard_add_remove_list(setup: tuple[Path, str, str], tmp_path: Path) -> 
         plain.add_lora(LoRARequest("good", 1, good))
     assert plain.list_loras() == [] and plain.remove_lora(1) is False
     plain.shutdown()
+
+
+def test_bin_weights_load_and_a_corrupt_file_is_refused(setup: tuple[Path, str, str], tmp_path: Path) -> None:
+    """adapter_model.bin (torch.save, read with weights_only) loads as the safetensors file does; a file that
+    cannot be read is a LoRAError naming the adapter and the file."""
+    _, model, good = setup
+    as_bin = tmp_path / "bin"
+    shutil.copytree(good, as_bin)
+    torch.save(load_file(as_bin / WEIGHTS), as_bin / "adapter_model.bin")
+    (as_bin / WEIGHTS).unlink()
+    net, config = load_our_model(model)
+    manager = LoRAManager(net, max_loras=1, max_lora_rank=16)  # type: ignore[arg-type]
+    manager.add(LoRARequest("bin", 1, str(as_bin)))
+    ours = our_lora_prefill_logits(net, manager, config, PREFILL_PROMPTS, [1] * len(PREFILL_PROMPTS))
+    assert_logits_match(ours, hf_prefill_logits(hf_merged_model(model, good), PREFILL_PROMPTS))
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    (corrupt / WEIGHTS).write_bytes((corrupt / WEIGHTS).read_bytes()[:100])
+    with pytest.raises(LoRAError, match=r"'corrupt': cannot read .*adapter_model.safetensors"):
+        manager.add(LoRARequest("corrupt", 2, str(corrupt)))
+    assert manager.lora_ids() == [1]
