@@ -1,5 +1,12 @@
 """`raytp serve`: start (or join) Ray, deploy the app, print where it listens, block until a signal.
 
+One model: `raytp serve [MODEL] --flags` (vLLM's form). Several: `raytp serve --config FILE.yaml`, the
+Serve config YAML that `serve run` takes (its `serve_app:build_app` application's `args`, with
+`models: [...]`) or a YAML of those args alone; flags given beside it set application-level keys (and
+model keys every model takes unless its entry sets them). Decision: no repeated per-model flags: vLLM has
+no multi-model command line to follow, and a list of models with their own engine settings reads better
+as YAML than as positional flag groups.
+
 Shutdown (decision): on Ctrl-C or SIGTERM, a Ray this process started is shut down at once (Serve and
 HAProxy with it), so nothing is left running (`_teardown`). On a cluster it joined (RAY_ADDRESS) only the
 app is deleted and Serve is left up: other applications may live there.
@@ -19,7 +26,9 @@ from typing import Any
 from cluster.config import EngineConfig
 from raytp.cli.args import add_config_args, add_engine_args, engine_fields_of
 from raytp.openai.chat_settings import ChatSettings
-from raytp.serve.args import ServeArgs
+from raytp.serve.args import ModelArgs, ServeArgs
+
+BUILD_APP = "serve_app:build_app"
 
 APP_NAME = "raytp"
 
@@ -30,7 +39,22 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF dir, .gguf file or hub id (default: embedded SmolLM2)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
-    add_config_args(p.add_argument_group("serving"), ServeArgs, skip=("engine", "chat"), unset_is_none=True)
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.yaml",
+        help=f"serve the models a Serve config YAML (import_path {BUILD_APP}) or a YAML of its args lists",
+    )
+    serving = p.add_argument_group("serving")
+    add_config_args(serving, ServeArgs, skip=("models",), unset_is_none=True)
+    add_config_args(serving, ModelArgs, skip=("engine", "chat", "lora_modules"), unset_is_none=True)
+    serving.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters served from the start: name=path, or JSON {"name", "path", "base_model_name"} (vLLM\'s)',
+    )
     add_config_args(p.add_argument_group("chat"), ChatSettings, unset_is_none=True)
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
@@ -41,10 +65,43 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve_args_of(args: argparse.Namespace) -> dict[str, Any]:
-    """`build_app`'s arguments from the parsed flags (serving flags left unset keep ServeArgs' defaults)."""
-    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs) if f.name not in ("engine", "chat")}
+    """`build_app`'s arguments from the parsed flags and `--config` (serving flags left unset keep the
+    defaults of ServeArgs and ModelArgs)."""
+    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeArgs) if f.name != "models"}
+    own.update(
+        {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs) if f.name not in ("engine", "chat")}
+    )
     own.update({f.name: getattr(args, f.name) for f in dataclasses.fields(ChatSettings)})
-    return {**engine_fields_of(args), **{k: v for k, v in own.items() if v is not None}}
+    flags = {k: v for k, v in own.items() if v is not None}
+    if getattr(args, "config", None) is None:
+        return {**engine_fields_of(args), **flags}
+    if args.model is not None:
+        raise ValueError("give the model either as MODEL or in --config's models, not both.")
+    engine = {k: v for k, v in engine_fields_of(args).items() if v != _ENGINE_DEFAULTS[k]}  # flags given
+    return {**config_args(args.config), **engine, **flags}
+
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def config_args(path: str) -> dict[str, Any]:
+    """`build_app`'s args from a YAML file: a Serve config's one `serve_app:build_app` application, or the
+    args themselves."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"--config {path}: expected a YAML mapping.")
+    if "applications" not in doc:
+        return doc
+    apps = [a for a in doc["applications"] or [] if a.get("import_path") == BUILD_APP]
+    if len(apps) != 1:
+        raise ValueError(f"--config {path}: expected exactly one application with import_path {BUILD_APP}.")
+    args = apps[0].get("args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"--config {path}: the application's args must be a mapping.")
+    return args
 
 
 def _url_host(host: str) -> str:
@@ -63,7 +120,9 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     from raytp.serve.args import use_serve_defaults
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
-    _check_model(sa.engine)
+    for model in sa.models:
+        _check_model(model.engine)
+    _check_adapters(sa)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -84,9 +143,9 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(serve_args), name=APP_NAME, route_prefix="/")
-        name = sa.served_model_name or sa.engine.model or "SmolLM2-135M-Instruct (embedded)"
+        names = ", ".join(m.name for m in sa.models)
         base = f"http://{_url_host(host)}:{port}"
-        print(f"raytp: serving {name} at {base}  (OpenAI base URL: {base}/v1); Ctrl-C to stop", flush=True)
+        print(f"raytp: serving {names} at {base}  (OpenAI base URL: {base}/v1); Ctrl-C to stop", flush=True)
         _print_scrape_targets(base)
         while not stop.wait(3600):
             pass
@@ -114,9 +173,9 @@ def _claim_the_machines_cores(sa: ServeArgs) -> None:
     RAYTP_CPUS_PER_WORKER wins; with autoscaling the replica count is unknown and the default stays.
     Set before Ray starts: the raylet, and through it the controller, inherits this environment.
     """
-    if os.environ.get("RAYTP_CPUS_PER_WORKER") or sa.autoscaling_config is not None:
+    if os.environ.get("RAYTP_CPUS_PER_WORKER") or any(m.autoscaling_config is not None for m in sa.models):
         return
-    ranks = sa.engine.tensor_parallel_size * (sa.num_replicas or 1)
+    ranks = sum(m.engine.tensor_parallel_size * (m.num_replicas or 1) for m in sa.models)
     os.environ["RAYTP_CPUS_PER_WORKER"] = str(max(1, (os.cpu_count() or 1) // ranks))
 
 
@@ -136,6 +195,16 @@ def _check_model(engine: EngineConfig) -> None:
     from cluster.engine import read_checked_model
 
     read_checked_model(engine)
+
+
+def _check_adapters(sa: ServeArgs) -> None:
+    """Fail fast (LoRAError, a ValueError -> exit 2) on a --lora-modules adapter that cannot be served (no
+    checkpoint there, a rank over max_lora_rank), before Ray starts."""
+    from model_exec.lora.peft_config import read_adapter_config
+
+    ranks = {m.name: m.engine.max_lora_rank for m in sa.models}
+    for base, lora in sa.lora_requests():
+        read_adapter_config(lora, ranks[base])
 
 
 def _teardown(joined: bool) -> None:

@@ -9,7 +9,8 @@ request meets first lives here:
   `Content-Type: application/json` (415) and the body size limit (413).
 - exception handlers: every failure becomes OpenAI's error shape (`errors.py` decides the status).
 - routes: the POST routes come from the route table (routes.py), each declaring its pydantic request
-  model as its body, so `/openapi.json` states the real contract; the GET routes are the app's own.
+  model as its body, so `/openapi.json` states the real contract; the GET routes and the runtime LoRA
+  routes (lora_routes.py) are the app's own. A request's `model` picks what answers it (`ServedModels`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from cluster.metrics.endpoint import CONTENT_TYPE, application_metrics
-from raytp.openai.context import SSE_HEADERS, ServingContext
+from raytp.openai.context import SSE_HEADERS
 from raytp.openai.errors import OpenAIError, to_openai_error, validation_error
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from raytp.openai.protocol import ModelCard, ModelList
+from raytp.openai.lora_routes import LoRAAdmin, add_lora_routes
+from raytp.openai.models import ServedModels
+from raytp.openai.protocol import ModelList
 from raytp.openai.request_id import request_id_of
 from raytp.openai.routes import ROUTES, Handler, Route, handlers
 
@@ -45,12 +48,14 @@ def build_api(api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
 
 
 def openai_app(
-    ctx: ServingContext,
+    models: ServedModels,
     health: Callable[[], Awaitable[None]],
     api_key: str | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    lora_admin: LoRAAdmin | None = None,
 ) -> FastAPI:
-    """The whole API of one ingress replica over `ctx`; `health` raises when the engine cannot serve."""
+    """The whole API of one ingress replica over `models`; `health` raises when an engine cannot serve;
+    `lora_admin`: None unless runtime LoRA updating is on."""
     app = build_api(api_key, max_body_bytes)
 
     @app.get("/metrics")
@@ -76,11 +81,15 @@ def openai_app(
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)
-        return json_response(ModelList(data=[card]))
+    async def list_models() -> JSONResponse:
+        return json_response(ModelList(data=models.cards()))
 
-    bound = handlers(ctx)
+    @app.get("/v1/models/{name:path}")  # :path: hub ids have a slash (org/name)
+    async def model_card(name: str) -> JSONResponse:
+        return json_response(models.card(name))
+
+    add_lora_routes(app, models, lora_admin)
+    bound = handlers(models)
     for route in ROUTES:
         endpoint = _endpoint(route, bound[route.path])
         app.add_api_route(route.path, endpoint, methods=[route.method], name=route.handler.__name__)

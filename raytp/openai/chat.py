@@ -23,6 +23,7 @@ from raytp.openai.context import DONE, ServingContext, sse
 from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error, unwrap
 from raytp.openai.logprobs import chat_logprobs
+from raytp.openai.models import ServedModels
 from raytp.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -45,21 +46,20 @@ _REASONING_TAIL_TOKENS = 32
 
 
 class ChatHandler:
-    def __init__(self, ctx: ServingContext, settings: ChatSettings | None = None) -> None:
-        self.ctx = ctx
-        self._settings = settings  # None: the server's (ctx.chat)
+    def __init__(self, models: ServedModels | ServingContext, settings: ChatSettings | None = None) -> None:
+        self.models = ServedModels.of(models)
+        self._settings = settings  # None: each model's own (ctx.chat)
 
-    @property
-    def settings(self) -> ChatSettings:
-        return self._settings if self._settings is not None else self.ctx.chat
+    def settings(self, ctx: ServingContext) -> ChatSettings:
+        return self._settings if self._settings is not None else ctx.chat
 
     async def create(self, req: ChatCompletionRequest, request_id: str) -> ChatCompletionResponse | AsyncIterator[str]:
-        ctx = self.ctx
-        ctx.check_model(req.model)
+        ctx = self.models.resolve(req.model)
+        settings = self.settings(ctx)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
         check_refused(req)
-        plan = plan_tools(req, self.settings)
+        plan = plan_tools(req, settings)
         ids = await ctx.chat_prompt_ids(
             req.messages, req.add_generation_prompt, plan.template_tools, req.chat_template_kwargs
         )
@@ -73,7 +73,7 @@ class ChatHandler:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             defaults=ctx.generation_defaults,
         )
-        stream = ctx.stream(request_id, ids, self._after_reasoning(_with_tools(params, plan), ids))
+        stream = ctx.stream(request_id, ids, _after_reasoning(ctx, settings, _with_tools(params, plan), ids))
         try:
             await stream.start()
         except Exception as e:
@@ -82,11 +82,11 @@ class ChatHandler:
                 raise RequestError(cause.message, "messages", cause.code) from None
             raise
         if req.stream:
-            return self._stream(req, request_id, stream, plan)
+            return self._stream(ctx, settings, req, request_id, stream, plan)
         out = await stream.collect()
         choices = []
         for c in out.outputs:
-            parser = self._parser(plan)
+            parser = _parser(settings, plan)
             msg = fold(parser.feed(c.text, final=True))
             message = ChatMessageOut(
                 content=msg.content,
@@ -105,24 +105,6 @@ class ChatHandler:
         usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
 
-    def _after_reasoning(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
-        """With a reasoning parser, a constraint applies to the answer, after the reasoning ends (as in vLLM),
-        unless the prompt already ended it (Qwen3's template with enable_thinking=false closes the section)."""
-        reasoning = self.settings.reasoning()
-        spec = params.structured_outputs
-        if reasoning is None or spec is None:
-            return params
-        # The template's own markers sit at the prompt's end; a few dozen tokens hold them.
-        tail = self.ctx.tokenizer.decode(prompt_ids[-_REASONING_TAIL_TOKENS:], skip_special_tokens=False)
-        if tail.rfind(reasoning.end) > tail.rfind(reasoning.start) >= 0 or (
-            reasoning.end in tail and reasoning.start not in tail
-        ):
-            return params
-        return dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, start_after=reasoning.end))
-
-    def _parser(self, plan: ToolPlan) -> SampleParser:
-        return SampleParser(self.settings.reasoning(), plan.parser, plan.max_calls)
-
     def _logprobs(
         self, req: ChatCompletionRequest, token_ids: list[int], entries: list[PositionLogprobs] | None
     ) -> ChatLogprobs | None:
@@ -131,17 +113,23 @@ class ChatHandler:
         return chat_logprobs(token_ids, entries, req.top_logprobs or 0)
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, stream: RequestStream, plan: ToolPlan
+        self,
+        ctx: ServingContext,
+        settings: ChatSettings,
+        req: ChatCompletionRequest,
+        request_id: str,
+        stream: RequestStream,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
         def chunk(choice: ChatStreamChoice) -> str:
-            resp = ChatCompletionChunk(id=request_id, created=created, model=self.ctx.model_name, choices=[choice])
+            resp = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[choice])
             return sse(stream_dump(resp, include_usage))
 
         try:
-            parsers = [self._parser(plan) for _ in range(req.n)]
+            parsers = [_parser(settings, plan) for _ in range(req.n)]
             for i in range(req.n):
                 yield chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
             completion_tokens = 0
@@ -168,7 +156,7 @@ class ChatHandler:
             if include_usage:
                 usage = UsageInfo.of(len(stream.prompt_token_ids), completion_tokens)
                 resp = ChatCompletionChunk(
-                    id=request_id, created=created, model=self.ctx.model_name, choices=[], usage=usage
+                    id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage
                 )
                 yield sse(resp.model_dump())
         except Exception as e:  # headers are gone: report in-band, as OpenAI and vLLM do
@@ -190,3 +178,25 @@ def _with_tools(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
     if plan.parser is not None and plan.parser.needs_special_tokens:  # the markup is special tokens (as vLLM)
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
+
+
+def _after_reasoning(
+    ctx: ServingContext, settings: ChatSettings, params: SamplingParams, prompt_ids: list[int]
+) -> SamplingParams:
+    """With a reasoning parser, a constraint applies to the answer, after the reasoning ends (as in vLLM),
+    unless the prompt already ended it (Qwen3's template with enable_thinking=false closes the section)."""
+    reasoning = settings.reasoning()
+    spec = params.structured_outputs
+    if reasoning is None or spec is None:
+        return params
+    # The template's own markers sit at the prompt's end; a few dozen tokens hold them.
+    tail = ctx.tokenizer.decode(prompt_ids[-_REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+    if tail.rfind(reasoning.end) > tail.rfind(reasoning.start) >= 0 or (
+        reasoning.end in tail and reasoning.start not in tail
+    ):
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, start_after=reasoning.end))
+
+
+def _parser(settings: ChatSettings, plan: ToolPlan) -> SampleParser:
+    return SampleParser(settings.reasoning(), plan.parser, plan.max_calls)

@@ -17,6 +17,7 @@ from raytp.openai.context import DONE, ServingContext, sse
 from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error
 from raytp.openai.logprobs import completion_logprobs
+from raytp.openai.models import ServedModels
 from raytp.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,41 +31,21 @@ from raytp.openai.stream import RequestStream, merge, start_all
 
 
 class CompletionHandler:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
+    def __init__(self, models: ServedModels | ServingContext) -> None:
+        self.models = ServedModels.of(models)
 
-    async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text if given as text and kept whole, token ids) per prompt, truncated as the request asks."""
         out: list[tuple[str | None, list[int]]] = []
-        for text, ids in await self._tokenized(req.prompt, req.add_special_tokens):
-            kept = truncate_prompt(ids, req.truncate_prompt_tokens, self.ctx.max_model_len)
+        for text, ids in await _tokenized(ctx, req.prompt, req.add_special_tokens):
+            kept = truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
             out.append((text if len(kept) == len(ids) else None, kept))  # echo decodes what was kept
         return out
 
-    async def _tokenized(
-        self, prompt: str | list[str] | list[int] | list[list[int]], add_special_tokens: bool
-    ) -> list[tuple[str | None, list[int]]]:
-        """(text if given as text, token ids) per prompt."""
-        if isinstance(prompt, str):
-            return [(prompt, await self.ctx.encode(prompt, add_special_tokens))]
-        if not prompt:
-            raise bad_request("prompt must not be empty.", "prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [(None, [p for p in prompt if isinstance(p, int)])]
-        out: list[tuple[str | None, list[int]]] = []
-        for p in prompt:
-            if isinstance(p, str):
-                out.append((p, await self.ctx.encode(p, add_special_tokens)))
-            else:
-                assert isinstance(p, list)
-                out.append((None, list(p)))
-        return out
-
     async def create(self, req: CompletionRequest, request_id: str) -> CompletionResponse | AsyncIterator[str]:
-        ctx = self.ctx
-        ctx.check_model(req.model)
+        ctx = self.models.resolve(req.model)
         check_refused(req)
-        prompts = await self._prompts(req)
+        prompts = await self._prompts(ctx, req)
         requested, max_param = requested_max_tokens(req)
         streams: list[RequestStream] = []
         for i, (_, ids) in enumerate(prompts):
@@ -81,15 +62,20 @@ class CompletionHandler:
         texts = [t if t is not None else await ctx.decode(ids) for t, ids in prompts] if req.echo else []
         await start_all(streams)
         if req.stream:
-            return self._stream(req, request_id, streams, texts)
+            return self._stream(ctx, req, request_id, streams, texts)
         try:
             outputs = await asyncio.gather(*(s.collect() for s in streams))
         finally:
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
-        return self._response(req, request_id, outputs, texts)
+        return self._response(ctx, req, request_id, outputs, texts)
 
     def _response(
-        self, req: CompletionRequest, request_id: str, outputs: list[RequestOutput], texts: list[str]
+        self,
+        ctx: ServingContext,
+        req: CompletionRequest,
+        request_id: str,
+        outputs: list[RequestOutput],
+        texts: list[str],
     ) -> CompletionResponse:
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
@@ -104,7 +90,7 @@ class CompletionHandler:
                     if req.echo:
                         ids = out.prompt_token_ids + ids
                         entries = _prompt_entries(out.prompt_token_ids, out.prompt_logprobs) + entries
-                    logprobs = completion_logprobs(ids, entries, req.logprobs, 0, self.ctx.decode_token)
+                    logprobs = completion_logprobs(ids, entries, req.logprobs, 0, ctx.decode_token)
                 if req.echo:
                     text = texts[pi] + text
                 choices.append(
@@ -117,10 +103,15 @@ class CompletionHandler:
                     )
                 )
         usage = UsageInfo.of(prompt_tokens, completion_tokens)
-        return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
 
     async def _stream(
-        self, req: CompletionRequest, request_id: str, streams: list[RequestStream], texts: list[str]
+        self,
+        ctx: ServingContext,
+        req: CompletionRequest,
+        request_id: str,
+        streams: list[RequestStream],
+        texts: list[str],
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
@@ -134,7 +125,7 @@ class CompletionHandler:
             stop: int | str | None = None,
         ) -> str:
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop)
-            resp = CompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=[choice])
+            resp = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice])
             return sse(stream_dump(resp, include_usage))
 
         try:
@@ -146,9 +137,7 @@ class CompletionHandler:
                         if req.logprobs is not None:
                             prompt_lps = s.prompt.logprobs if s.prompt is not None else None
                             entries = _prompt_entries(s.prompt_token_ids, prompt_lps)
-                            lp = completion_logprobs(
-                                s.prompt_token_ids, entries, req.logprobs, 0, self.ctx.decode_token
-                            )
+                            lp = completion_logprobs(s.prompt_token_ids, entries, req.logprobs, 0, ctx.decode_token)
                         offsets[(pi, j)] = len(texts[pi])
                         yield chunk(pi * req.n + j, texts[pi], lp)
             completion_tokens = 0
@@ -158,15 +147,13 @@ class CompletionHandler:
                     lp = None
                     if req.logprobs is not None and u.logprobs:
                         off = offsets[(pi, u.index)]
-                        lp = completion_logprobs(u.token_ids, u.logprobs, req.logprobs, off, self.ctx.decode_token)
+                        lp = completion_logprobs(u.token_ids, u.logprobs, req.logprobs, off, ctx.decode_token)
                         offsets[(pi, u.index)] = off + sum(len(t) for t in lp.tokens)
                     if u.text or u.finish_reason is not None or lp is not None:
                         yield chunk(pi * req.n + u.index, u.text, lp, u.finish_reason, u.stop_reason)
             if include_usage:
                 usage = UsageInfo.of(sum(len(s.prompt_token_ids) for s in streams), completion_tokens)
-                resp = CompletionResponse(
-                    id=request_id, created=created, model=self.ctx.model_name, choices=[], usage=usage
-                )
+                resp = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage)
                 yield sse(resp.model_dump())
         except Exception as e:  # headers are gone: report in-band, as OpenAI and vLLM do
             yield sse(to_openai_error(e, request_id).body())
@@ -181,3 +168,23 @@ def _prompt_entries(
     """Prompt logprob entries aligned to the prompt tokens (the first token has none)."""
     got = list(entries or [])
     return [None] * (len(prompt_ids) - len(got)) + got
+
+
+async def _tokenized(
+    ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]], add_special_tokens: bool
+) -> list[tuple[str | None, list[int]]]:
+    """(text if given as text, token ids) per prompt."""
+    if isinstance(prompt, str):
+        return [(prompt, await ctx.encode(prompt, add_special_tokens))]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [(None, [p for p in prompt if isinstance(p, int)])]
+    out: list[tuple[str | None, list[int]]] = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((p, await ctx.encode(p, add_special_tokens)))
+        else:
+            assert isinstance(p, list)
+            out.append((None, list(p)))
+    return out

@@ -1,5 +1,6 @@
-"""What every route handler of one ingress replica shares: the engine client, the model's identity and
-its tokenizer, and SSE framing.
+"""What every route handler shares about one served model (`ServingContext`): the engine client, the
+model's identity and its tokenizer, the LoRA adapter a request runs with, and SSE framing. Which
+context a request gets, by its `model`, is `ServedModels`' decision (models.py).
 
 Tokenizing user input can take long (a prompt of megabytes), so it never runs on the event loop:
 `encode`, `chat_prompt_ids` and `decode` run in a small thread pool of their own, and a prompt with
@@ -10,6 +11,7 @@ more characters than `max_model_len` tokens could ever hold is refused before it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -25,10 +27,11 @@ from jinja2.exceptions import TemplateError
 
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.engine_client import EngineClient
-from raytp.openai.errors import OpenAIError, bad_request
+from raytp.openai.errors import bad_request
 from raytp.openai.protocol import ChatMessageIn
 from raytp.openai.stream import RequestStream
 from scheduler.errors import PromptTooLongError
+from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -54,13 +57,16 @@ def max_token_chars(tokenizer: Any) -> int:
 class ServingContext:
     client: EngineClient  # reaches the model replicas
     tokenizer: Any
-    model_name: str  # the name clients must send as `model`
+    model_name: str  # the name clients send as `model`, and responses carry (an adapter's own name)
     max_model_len: int
     vocab_size: int
     max_token_chars: int  # see max_token_chars()
     chat: ChatSettings = field(default_factory=ChatSettings)  # tool-call and reasoning parsers (vLLM's flags)
     # the model's sampling defaults (the engine's `generation_defaults`): what a request's unset field takes
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    enable_lora: bool = False  # the engine serves LoRA adapters (EngineConfig.enable_lora)
+    # the adapter every request through this context runs with (None: the base model); set by `with_adapter`
+    lora: LoRARequest | None = None
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="raytp-tokenize")
     )
@@ -75,21 +81,16 @@ class ServingContext:
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    def check_model(self, name: str | None) -> None:
-        if name and name != self.model_name:
-            raise OpenAIError(
-                f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
-                404,
-                "invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
+    def with_adapter(self, lora: LoRARequest) -> ServingContext:
+        """This model's context for requests that run with `lora`: the same tokenizer, engine client and
+        tokenizer threads, answering under the adapter's name."""
+        return dataclasses.replace(self, model_name=lora.lora_name, lora=lora)
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Engine request ids must be unique in the engine while a client's `X-Request-Id` need not be
         (two clients may send the same one): the engine id is the public id plus a random suffix, so a
         log line still names the request by its prefix."""
-        return RequestStream(self.client, f"{request_id}-{uuid.uuid4().hex[:8]}", prompt_token_ids, params)
+        return RequestStream(self.client, f"{request_id}-{uuid.uuid4().hex[:8]}", prompt_token_ids, params, self.lora)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_model_len * self.max_token_chars:

@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.engine import EngineDeadError
 from cluster.outputs import RequestDelta
+from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,10 +32,15 @@ if TYPE_CHECKING:
 
 class EngineClient(Protocol):
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas, the last with finished=True; closing the iterator early aborts it.
-        A request the engine refuses raises (RequestError) before the first delta."""
+        A request the engine refuses raises (RequestError; LoRAError for an adapter it cannot load) before
+        the first delta. `lora_request`: the adapter to run with (None: the base model)."""
         ...
 
     async def health(self) -> None:
@@ -61,9 +67,13 @@ class ServeEngineClient:
         return info
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        stream = self._server.generate.remote(request_id, prompt_token_ids, params)
+        stream = self._server.generate.remote(request_id, prompt_token_ids, params, lora_request)
         assert isinstance(stream, DeploymentResponseGenerator)  # a handle with stream=True
         finished = False
         try:
@@ -91,12 +101,16 @@ class ActorEngineClient:
         return info
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         finished = False
         try:
             stream: ray.ObjectRefGenerator = self._controller.generate.options(num_returns="streaming").remote(
-                request_id, prompt_token_ids, params
+                request_id, prompt_token_ids, params, lora_request=lora_request
             )
             async for ref in stream:
                 delta: RequestDelta = await ref

@@ -231,6 +231,19 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(OpenAIRequest):
+    """POST /v1/load_lora_adapter, as vLLM's (its `load_inplace` is not offered: a name is loaded once)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    # raytp's: the model it adapts; needed only when several served models have enable_lora
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    lora_name: str = Field(min_length=1)
+
+
 # ----------------------------------------------------------------------------- responses
 
 
@@ -339,7 +352,8 @@ class ModelCard(OpenAIModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "raytp"
-    root: str | None = None
+    root: str | None = None  # a base model's served name; an adapter's checkpoint path (vLLM's)
+    parent: str | None = None  # an adapter's base model (vLLM's); None for a base model
     max_model_len: int | None = None
 
 

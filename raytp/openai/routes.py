@@ -18,14 +18,16 @@ from raytp.openai.chat import ChatHandler
 from raytp.openai.completions import CompletionHandler
 from raytp.openai.context import ServingContext
 from raytp.openai.errors import validation_error
+from raytp.openai.models import ServedModels
 from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from raytp.openai.tokenize import DetokenizeHandler, TokenizeHandler
 
 
 class Handler(Protocol):
-    """One route's logic over one ingress replica's (or batch replica's) ServingContext."""
+    """One route's logic over the models one ingress replica (or batch replica) serves: each request's
+    `model` picks its ServingContext (`ServedModels.resolve`), over HTTP and in batch jobs alike."""
 
-    def __init__(self, ctx: ServingContext) -> None: ...
+    def __init__(self, models: ServedModels | ServingContext) -> None: ...
 
     async def create(self, req: Any, request_id: str) -> BaseModel | AsyncIterator[str]:
         """The response model, or (a streaming request) its SSE events. Raises what a client caused
@@ -38,7 +40,7 @@ class Route:
     method: Literal["POST"]  # a batch line names it too; routes without a body (GET) are the app's own
     path: str
     request: type[BaseModel]  # the body's model: FastAPI validates with it, and so does a batch line
-    handler: type[Handler]  # made once per ServingContext (`handlers`)
+    handler: type[Handler]  # made once per front door (`handlers`)
     id_prefix: str  # the response's `id` is `{id_prefix}-{request id}`, as OpenAI's `cmpl-...`
 
     def parse(self, body: dict[str, Any]) -> BaseModel:
@@ -58,6 +60,6 @@ ROUTES: tuple[Route, ...] = (
 ROUTES_BY_PATH: dict[str, Route] = {r.path: r for r in ROUTES}
 
 
-def handlers(ctx: ServingContext) -> dict[str, Handler]:
-    """Each route's handler over `ctx`, by path."""
-    return {r.path: r.handler(ctx) for r in ROUTES}
+def handlers(models: ServedModels | ServingContext) -> dict[str, Handler]:
+    """Each route's handler over `models` (one ServingContext: that model alone), by path."""
+    return {r.path: r.handler(models) for r in ROUTES}

@@ -1,20 +1,20 @@
-"""POST /tokenize and POST /detokenize (vLLM's extensions): the served model's tokenizer and chat
-template, as the generation routes apply them, without running the engine."""
+"""POST /tokenize and POST /detokenize (vLLM's extensions): the tokenizer and chat template of the
+model the request names, as the generation routes apply them, without running the engine."""
 
 from __future__ import annotations
 
 from raytp.openai.context import ServingContext
 from raytp.openai.errors import bad_request
+from raytp.openai.models import ServedModels
 from raytp.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
 class TokenizeHandler:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
+    def __init__(self, models: ServedModels | ServingContext) -> None:
+        self.models = ServedModels.of(models)
 
     async def create(self, req: TokenizeRequest, request_id: str) -> TokenizeResponse:
-        ctx = self.ctx
-        ctx.check_model(req.model)
+        ctx = self.models.resolve(req.model)
         if req.messages is not None and req.prompt is None:
             ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
         elif req.prompt is not None and req.messages is None:
@@ -25,12 +25,11 @@ class TokenizeHandler:
 
 
 class DetokenizeHandler:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
+    def __init__(self, models: ServedModels | ServingContext) -> None:
+        self.models = ServedModels.of(models)
 
     async def create(self, req: DetokenizeRequest, request_id: str) -> DetokenizeResponse:
-        ctx = self.ctx
-        ctx.check_model(req.model)
+        ctx = self.models.resolve(req.model)
         if any(t >= ctx.vocab_size for t in req.tokens):
             raise bad_request(f"tokens must be in [0, {ctx.vocab_size}) (the vocabulary size).", "tokens")
         return DetokenizeResponse(prompt=await ctx.decode(req.tokens))

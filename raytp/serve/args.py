@@ -1,22 +1,32 @@
-"""ServeArgs: `build_app`'s arguments (every EngineConfig field plus the deployments' own), and the
-environment that Serve's processes must start with.
+"""ServeArgs: `build_app`'s arguments, and the environment that Serve's processes must start with.
 
-One frozen value, validated once, handed as it is to every deployment that needs it (the ingress and,
-with `split_ingress`, `LLMServer`): nothing restates its fields.
+    ServeArgs    the application: its models, and what the HTTP front door does for all of them
+    ModelArgs    one served model: its EngineConfig, replicas, admission limits, chat settings, LoRA modules
+    LoRAModule   an adapter served from the start (`--lora-modules`)
+
+Two forms of `build_app`'s args, one value: the single-model form (every key flat, as `raytp serve MODEL`
+has always taken them) is `ServeArgs` with one `ModelArgs`; `{"models": [{...}, ...], ...}` gives several,
+where a model key at the top level is every model's default. Frozen and validated once, then handed as it
+is to every deployment that needs it: nothing restates its fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cluster.config import EngineConfig
+from model_exec.source import DEFAULT_MODEL_NAME
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
+from scheduler.lora import LoRARequest
 
 API_KEY_ENV = "RAYTP_API_KEY"  # read where the app is built and in each ingress replica
+# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter, honoured as vLLM reads it
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # Default concurrency of one replica: the engine queues and batches, so Serve should not
 # hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
@@ -61,46 +71,61 @@ def use_serve_defaults() -> None:
 
 
 def _arg(default: Any, help: str) -> Any:
-    """A ServeArgs field with the help text its `raytp serve` flag shows (raytp/cli/args.py)."""
+    """A field with the help text its `raytp serve` flag shows (raytp/cli/args.py)."""
     return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
-class ServeArgs:
-    """`build_app`'s arguments: every EngineConfig field, plus the deployment's own. `raytp serve` has one
-    flag per field (the engine's from EngineConfig), named as the field."""
+class LoRAModule:
+    """An adapter served from the start (`--lora-modules`): vLLM's `name=path` or its JSON form
+    `{"name": ..., "path": ..., "base_model_name": ...}`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # vLLM's field; here it must name the model it is listed under
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise ValueError(f"a LoRA module needs a name and a path, got name={self.name!r} path={self.path!r}.")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | LoRAModule) -> LoRAModule:
+        if isinstance(value, LoRAModule):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"name", "path", "base_model_name"}
+            if unknown:
+                raise ValueError(
+                    f"unknown LoRA module keys: {', '.join(sorted(unknown))} (name, path, base_model_name)"
+                )
+            return cls(**value)
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                raise ValueError(f"--lora-modules {value!r}: not valid JSON.") from None
+            return cls.parse(parsed if isinstance(parsed, dict) else {})
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules {value!r}: expected name=path or a JSON object.")
+        return cls(name.strip(), path.strip())
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """One served model: its engine and the deployment of its model replicas. `raytp serve` has one flag per
+    field (the engine's from EngineConfig), named as the field."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = _arg(None, "the name clients send as `model` (default: the model's own)")
     num_replicas: int | None = _arg(None, "model replicas (default 1; exclusive with --autoscaling-config)")
     autoscaling_config: dict[str, Any] | None = _arg(None, "Serve AutoscalingConfig of the model replicas, as JSON")
-    # Decision (docs/benchmarks.md, "Serving hops"): by default each model replica is an `OpenAIIngress` replica that
-    # hosts its engine loop, so a streamed token crosses no Ray message between engine and HTTP response.
-    # split_ingress: the model replicas form an `LLMServer` deployment of their own behind
-    # `ingress_replicas` ingress replicas (HTTP, tokenizer and engines scale apart, one Ray hop per token).
-    split_ingress: bool = _arg(
-        False,
-        "run the HTTP ingress as its own deployment in front of the model replicas (default: each model "
-        "replica serves HTTP itself, with no Ray hop per streamed token)",
-    )
-    ingress_replicas: int | None = _arg(None, "ingress replicas, with --split-ingress (default 1)")
-    # How the ingress picks an LLMServer replica (split_ingress; raytp/serve/routing.py). Without
-    # split_ingress HAProxy picks the replica (leastconn) and Serve's routers never run, so it is refused there.
-    request_router: RequestRouterName | None = field(
-        default=None,
-        metadata={
-            "help": "with --split-ingress: prefix (the default: send a prompt to the replica that holds its "
-            "prefix's KV, within a load bound) or pow2 (Serve's power of two choices)",
-            "choices": REQUEST_ROUTERS,
-        },
-    )
     max_ongoing_requests: int = _arg(DEFAULT_MAX_ONGOING_REQUESTS, "requests in flight per replica (Serve's limit)")
     max_waiting_requests: int | None = _arg(None, "503 once this many requests wait in a replica for a first token")
-    api_key: str | None = _arg(
-        None, f"require `Authorization: Bearer KEY` on /v1 (default: {API_KEY_ENV}, where the app is built or runs)"
-    )
     health_check_period_s: float | None = _arg(None, "seconds between Serve's replica health checks")
-    max_request_body_bytes: int = _arg(DEFAULT_MAX_BODY_BYTES, "413 for larger request bodies (default 4 MiB)")
+    # ids 1..n in the application's order (ServeArgs.lora_modules); needs engine.enable_lora
+    lora_modules: tuple[LoRAModule, ...] = ()
     # vLLM's chat flags: how tool calls and reasoning are read out of the text (flat keys, as the engine's).
     chat: ChatSettings = field(default_factory=ChatSettings)
 
@@ -109,41 +134,163 @@ class ServeArgs:
             raise ValueError("num_replicas and autoscaling_config are exclusive: give one of them.")
         if self.num_replicas is not None and self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}.")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be non-negative, got {self.max_waiting_requests}.")
+        if self.lora_modules and not self.engine.enable_lora:
+            names = ", ".join(m.name for m in self.lora_modules)
+            raise ValueError(f"lora_modules ({names}) of model {self.name!r} need enable_lora.")
+        for m in self.lora_modules:
+            if m.base_model_name is not None and m.base_model_name != self.name:
+                raise ValueError(
+                    f"LoRA module {m.name!r} names base_model_name {m.base_model_name!r} but is listed under "
+                    f"model {self.name!r}."
+                )
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this model may run: num_replicas, or the autoscaling ceiling (Serve's default 1)."""
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas if self.num_replicas is not None else 1
+
+    @property
+    def name(self) -> str:
+        """The name clients send as `model`: what `resolve_model(...).name` gives, without resolving."""
+        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> ModelArgs:
+        """Unknown keys are refused: a typo must not silently fall back to a default."""
+        unknown = set(args) - MODEL_KEYS
+        if unknown:
+            raise ValueError(f"unknown model arguments: {', '.join(sorted(unknown))}")
+        engine = EngineConfig(**{k: v for k, v in args.items() if k in _ENGINE_FIELDS})
+        chat = ChatSettings(**{k: v for k, v in args.items() if k in _CHAT_FIELDS})
+        own = {k: v for k, v in args.items() if k in _MODEL_OWN}
+        own["lora_modules"] = tuple(LoRAModule.parse(m) for m in own.get("lora_modules") or ())
+        return cls(engine=engine, chat=chat, **own)
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """`build_app`'s arguments: the models, and the application's own settings."""
+
+    models: tuple[ModelArgs, ...] = (ModelArgs(),)
+    # Decision (docs/architecture.md, "Which model replica a request goes to"; measured in docs/benchmarks.md,
+    # "Serving hops" and "Routing between model replicas"): a model served by ONE replica runs it as an
+    # `OpenAIIngress` replica hosting its engine loop, so a streamed token crosses no Ray message between engine
+    # and HTTP response. Once a model may run 2+ replicas (or several models are served), the engines form
+    # `LLMServer` deployments behind `ingress_replicas` ingress replicas, whose Serve request router sends each
+    # prompt to the replica holding its prefix (multi-turn chat on 2 replicas: 61% prefix-cache hits and TTFT
+    # p50 0.45 s, against 41% and 2.4 s with HAProxy's leastconn), at one Ray hop per streamed token.
+    # split_ingress=False keeps HAProxy's balancing (no hop, no prefix routing); True splits a single replica.
+    split_ingress: bool | None = _arg(
+        None,
+        "run the HTTP ingress as its own deployment in front of the model replicas (default: split when a model "
+        "may run 2+ replicas, so requests are routed to the replica holding their prefix, or several models "
+        "are served; else each model replica serves HTTP itself, with no Ray hop per streamed token)",
+    )
+    ingress_replicas: int | None = _arg(None, "ingress replicas, with --split-ingress or several models (default 1)")
+    # How the ingress picks a model's LLMServer replica (raytp/serve/routing.py). Without the split HAProxy picks
+    # the replica (leastconn) and Serve's routers never run, so a router is refused there.
+    request_router: RequestRouterName | None = field(
+        default=None,
+        metadata={
+            "help": "when split: prefix (the default: send a prompt to the replica that holds its prefix's KV, "
+            "within a load bound) or pow2 (Serve's power of two choices)",
+            "choices": REQUEST_ROUTERS,
+        },
+    )
+    api_key: str | None = _arg(
+        None, f"require `Authorization: Bearer KEY` on /v1 (default: {API_KEY_ENV}, where the app is built or runs)"
+    )
+    max_request_body_bytes: int = _arg(DEFAULT_MAX_BODY_BYTES, "413 for larger request bodies (default 4 MiB)")
+    enable_runtime_lora_updating: bool = _arg(
+        False,
+        f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: {RUNTIME_LORA_ENV}=True, "
+        "as vLLM; off, those routes answer 404)",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("models must name at least one model.")
+        names = [m.name for m in self.models]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"served model names must be unique; repeated: {', '.join(dup)} (set served_model_name).")
+        seen = set(names)
+        for m in self.models:
+            for lora in m.lora_modules:
+                if lora.name in seen:
+                    raise ValueError(f"LoRA module name {lora.name!r} is already a served model or adapter name.")
+                seen.add(lora.name)
+        if self.split_ingress is False and len(self.models) > 1:
+            raise ValueError(
+                "several models always run split (one ingress routes by `model`): drop split_ingress=False."
+            )
+        if self.request_router is not None:
+            if self.request_router not in REQUEST_ROUTERS:
+                raise ValueError(
+                    f"request_router must be one of {', '.join(REQUEST_ROUTERS)}; got {self.request_router!r}."
+                )
+            if not self.split:
+                raise ValueError(
+                    "request_router needs the split topology (split_ingress, 2+ replicas or several models): "
+                    "without it HAProxy sends each request to a model replica (leastconn) and no Serve request "
+                    "router runs."
+                )
         if self.ingress_replicas is not None:
-            if not self.split_ingress:
+            if not self.split:
                 raise ValueError(
                     "ingress_replicas needs split_ingress: without it every model replica serves HTTP itself "
                     "(scale with num_replicas or autoscaling_config)."
                 )
             if self.ingress_replicas < 1:
                 raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}.")
-        if self.request_router is not None:
-            if self.request_router not in REQUEST_ROUTERS:
-                raise ValueError(
-                    f"request_router must be one of {', '.join(REQUEST_ROUTERS)}; got {self.request_router!r}."
-                )
-            if not self.split_ingress:
-                raise ValueError(
-                    "request_router needs split_ingress: without it HAProxy sends each request to a model "
-                    "replica (leastconn) and no Serve request router runs."
-                )
-        if self.max_ongoing_requests < 1:
-            raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}.")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be non-negative, got {self.max_waiting_requests}.")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
+        if self.enable_runtime_lora_updating and not any(m.engine.enable_lora for m in self.models):
+            raise ValueError("enable_runtime_lora_updating needs a model with enable_lora.")
+
+    @property
+    def split(self) -> bool:
+        """Whether the engines run in deployments of their own behind the ingress (see `split_ingress`)."""
+        if len(self.models) > 1:
+            return True
+        if self.split_ingress is not None:
+            return self.split_ingress
+        return self.models[0].max_replicas > 1
+
+    @property
+    def model(self) -> ModelArgs:
+        """The only model (the single-model form)."""
+        if len(self.models) != 1:
+            raise ValueError(f"this application serves {len(self.models)} models, not one.")
+        return self.models[0]
+
+    def lora_requests(self) -> list[tuple[str, LoRARequest]]:
+        """(base model name, adapter) of every adapter served from the start, numbered 1..n in the order the
+        models list them (vLLM numbers --lora-modules so)."""
+        modules = [(m.name, lora) for m in self.models for lora in m.lora_modules]
+        return [(base, LoRARequest(lora.name, i, lora.path)) for i, (base, lora) in enumerate(modules, start=1)]
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> ServeArgs:
-        """Unknown keys are refused: a typo must not silently fall back to a default."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"engine", "chat"}
-        unknown = set(args) - own - _ENGINE_FIELDS - _CHAT_FIELDS
+        """The single-model form (flat keys) or `models: [...]`; a model key given at the top level beside
+        `models` is each model's default. Unknown keys are refused."""
+        args = dict(args)
+        app = {k: args.pop(k) for k in list(args) if k in _APP_OWN}
+        unknown = set(args) - MODEL_KEYS - {"models"}
         if unknown:
             raise ValueError(f"unknown serve arguments: {', '.join(sorted(unknown))}")
-        engine = EngineConfig(**{k: v for k, v in args.items() if k in _ENGINE_FIELDS})
-        chat = ChatSettings(**{k: v for k, v in args.items() if k in _CHAT_FIELDS})
-        return cls(engine=engine, chat=chat, **{k: v for k, v in args.items() if k in own})
+        entries = args.pop("models", None)
+        if entries is None:
+            return cls(models=(ModelArgs.from_dict(args),), **app)
+        if not isinstance(entries, list | tuple) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError("models must be a list of objects, one per model.")
+        return cls(models=tuple(ModelArgs.from_dict({**args, **e}) for e in entries), **app)
 
     def api_key_from_env(self) -> ServeArgs:
         """These args with `api_key` read from RAYTP_API_KEY when none was given. Called where the app is
@@ -152,3 +299,15 @@ class ServeArgs:
         if self.api_key:
             return self
         return dataclasses.replace(self, api_key=os.environ.get(API_KEY_ENV) or None)
+
+    def runtime_lora_from_env(self) -> ServeArgs:
+        """These args with runtime LoRA updating switched on by vLLM's environment variable, read where the
+        app is built (the deployments are built for it or not)."""
+        if self.enable_runtime_lora_updating or os.environ.get(RUNTIME_LORA_ENV, "").lower() not in ("1", "true"):
+            return self
+        return dataclasses.replace(self, enable_runtime_lora_updating=True)
+
+
+_MODEL_OWN = frozenset(f.name for f in dataclasses.fields(ModelArgs)) - {"engine", "chat"}
+_APP_OWN = frozenset(f.name for f in dataclasses.fields(ServeArgs)) - {"models"}
+MODEL_KEYS = _MODEL_OWN | _ENGINE_FIELDS | _CHAT_FIELDS  # what one model's entry (or the flat form) may set

@@ -1,5 +1,7 @@
-"""OpenAIIngress: the Serve deployment that serves HTTP. Its replica hosts a model replica of its own
-(the default) or, with `split_ingress`, reaches an `LLMServer` deployment through its handle.
+"""OpenAIIngress: the Serve deployment that serves HTTP. With one model its replica hosts a model replica
+of its own (the default) or, with `split_ingress`, reaches an `LLMServer` deployment through its handle;
+with several models it reaches each model's own LLMServer deployment, and a request's `model` picks which
+(`ServedModels`, raytp/openai/models.py).
 
 Its FastAPI app is built per replica, after the constructor, from the args it was bound with
 (`__serve_build_asgi_app__`, Ray Serve's late-bound ingress): the app is not a module global, and
@@ -8,6 +10,7 @@ nothing writes settings into it afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -19,40 +22,70 @@ from model_exec.source import load_tokenizer, resolve_model
 from raytp.openai.app import openai_app
 from raytp.openai.context import ServingContext, max_token_chars
 from raytp.openai.engine_client import EngineClient, ServeEngineClient
-from raytp.serve.args import ServeArgs
+from raytp.openai.models import Adapter, ServedModels
+from raytp.serve.args import ModelArgs, ServeArgs
+from raytp.serve.lora_admin import HandleLoRAEngine, LoRAEngine, ServeLoRAAdmin
+from raytp.serve.lora_sync import LoRASync
 from raytp.serve.replica import ModelReplica
 
 
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, args: ServeArgs, server: DeploymentHandle | None = None) -> None:  # type: ignore[misc]
-        """`server`: None hosts a model replica in this replica (the default); else (`split_ingress`) the
-        handle of the LLMServer deployment."""
+    async def __init__(  # type: ignore[misc]
+        self,
+        args: ServeArgs,
+        servers: dict[str, DeploymentHandle] | None = None,
+        registry: DeploymentHandle | None = None,
+    ) -> None:
+        """`servers`: None hosts the only model's replica in this replica (the default); else each model's
+        LLMServer deployment handle, by served name. `registry`: the LoRARegistry deployment, when adapters
+        can be loaded at runtime."""
         self._args = args.api_key_from_env()
-        source = resolve_model(args.engine.model, args.engine.revision)
         self._local: ModelReplica | None = None
-        self.replica: EngineClient
-        if server is None:
-            self._local = await ModelReplica.start(args)
-            self.replica = self._local
-            tokenizer = self._local.tokenizer  # the engine's own: one copy per process
+        startup = _startup_adapters(args)
+        clients: dict[str, EngineClient] = {}
+        contexts: list[ServingContext] = []
+        if servers is None:
+            model = args.model
+            self._local = await ModelReplica.start(model, [a.lora for a in startup])
+            clients[model.name] = self._local
+            contexts.append(await _context(model, self._local, self._local.tokenizer))
         else:
-            self.replica = ServeEngineClient(server)
-            tokenizer = load_tokenizer(source, args.engine.trust_remote_code)
-        info = await self.replica.model_info()  # waits for a model replica: ready means servable
-        self.ctx = ServingContext(
-            client=self.replica,
-            tokenizer=tokenizer,
-            model_name=args.served_model_name or source.name,
-            max_model_len=int(info["max_model_len"]),
-            vocab_size=int(info["vocab_size"]),
-            generation_defaults=dict(info["generation_defaults"]),
-            max_token_chars=max_token_chars(tokenizer),
-            chat=args.chat,
-        )
+            for model in args.models:
+                client = clients[model.name] = ServeEngineClient(servers[model.name])
+                source = resolve_model(model.engine.model, model.engine.revision)
+                tokenizer = load_tokenizer(source, model.engine.trust_remote_code)
+                contexts.append(await _context(model, client, tokenizer))
+        self._clients = clients
+        self.models = ServedModels(contexts, startup)
+        self._sync: LoRASync | None = None
+        self._lora_admin: ServeLoRAAdmin | None = None
+        if registry is not None:
+            self._sync = LoRASync(registry, self._on_lora_table)
+            await self._sync.start()
+            engines: dict[str, LoRAEngine] = {}
+            for model in args.models:
+                if not model.engine.enable_lora:
+                    continue
+                if self._local is not None:
+                    engines[model.name] = self._local
+                elif servers is not None:
+                    engines[model.name] = HandleLoRAEngine(servers[model.name])
+            self._lora_admin = ServeLoRAAdmin(registry, engines, self._sync)
+
+    async def _on_lora_table(self, table: list[Adapter]) -> None:
+        self.models.set_adapters(table)
+        if self._local is not None:  # the engine hosted here follows the table too
+            await self._local.sync_loras([a.lora for a in table])
+
+    async def health(self) -> None:
+        """Raises when any served model's engine cannot serve."""
+        await asyncio.gather(*(c.health() for c in self._clients.values()))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return openai_app(self.ctx, self.replica.health, self._args.api_key, self._args.max_request_body_bytes)
+        return openai_app(
+            self.models, self.health, self._args.api_key, self._args.max_request_body_bytes, self._lora_admin
+        )
 
     # Not routes: Serve calls these, and tests reach them through the deployment handle.
     async def check_health(self) -> None:
@@ -67,10 +100,37 @@ class OpenAIIngress:
             raise RuntimeError("this ingress hosts no engine (split_ingress): ask the LLMServer deployment")
         return await self._local.get_stats()
 
-    async def model_info(self) -> dict[str, Any]:
-        return await self.replica.model_info()
+    async def served_names(self) -> tuple[str, list[str]]:
+        """(this Serve replica's id, the names it routes: models, then adapters), for operators and tests
+        checking that a runtime LoRA change reached every ingress replica."""
+        return serve.get_replica_context().replica_id.unique_id, self.models.names()
+
+    async def model_info(self, model: str | None = None) -> dict[str, Any]:
+        """The engine's model_info of `model` (default: the only model)."""
+        return await self._clients[model or self._args.model.name].model_info()
 
     async def __del__(self) -> None:
+        if self._sync is not None:
+            await self._sync.stop()
         if self._local is not None:
             with contextlib.suppress(Exception):  # an already failed engine: nothing to release
                 await self._local.shutdown()
+
+
+def _startup_adapters(args: ServeArgs) -> list[Adapter]:
+    return [Adapter(lora, base) for base, lora in args.lora_requests()]
+
+
+async def _context(model: ModelArgs, client: EngineClient, tokenizer: Any) -> ServingContext:
+    info = await client.model_info()  # waits for a model replica: ready means servable
+    return ServingContext(
+        client=client,
+        tokenizer=tokenizer,
+        model_name=model.name,
+        max_model_len=int(info["max_model_len"]),
+        vocab_size=int(info["vocab_size"]),
+        generation_defaults=dict(info["generation_defaults"]),
+        max_token_chars=max_token_chars(tokenizer),
+        chat=model.chat,
+        enable_lora=model.engine.enable_lora,
+    )

@@ -1,5 +1,6 @@
-"""One model replica in a Serve replica: `ModelReplica` (the engine loop and admission control) and
-`LLMServer`, the deployment that hosts one apart from the ingress (`split_ingress`).
+"""One model replica in a Serve replica: `ModelReplica` (the engine loop, admission control, the LoRA
+adapters resident in it) and `LLMServer`, the deployment that hosts one apart from the ingress
+(`split_ingress`, and one deployment per model when an application serves several).
 
 Decision: the engine loop lives in a Serve replica, not in an actor of its own, and by default in the
 replica that serves HTTP (`OpenAIIngress`). A streamed token then crosses no Ray message at all between
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
@@ -21,13 +22,18 @@ from ray import serve
 from cluster.config import EngineConfig
 from cluster.outputs import RequestDelta
 from raytp.openai.errors import EngineOverloadedError
-from raytp.serve.args import ServeArgs
+from raytp.serve.args import ModelArgs
+from raytp.serve.lora_sync import LoRASync
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
     from cluster.controller import EngineLoop
 
 logger = logging.getLogger(__name__)
+UNLOAD_RETRY_S = 0.5  # an unloaded adapter still in use is retried this often until its requests finish
 
 
 async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, dict[str, Any]]:
@@ -53,6 +59,10 @@ class ModelReplica:
     high-throughput mode, with Serve's own request handling); only schedule/update run there, a few ms
     per step, while the forward pass waits in the loop's step thread. A dead engine (a worker died, a step
     failed) is observed by `health`, and Serve replaces the replica.
+
+    LoRA adapters: the ones served from the start (`--lora-modules`) are loaded before the replica is
+    ready; any other a request names (loaded at runtime through another replica) the engine loads on first
+    use, and `sync_loras` keeps the resident set equal to the application's registry (lora_sync.py).
     """
 
     def __init__(self, engine: EngineLoop, info: dict[str, Any], max_waiting_requests: int | None) -> None:
@@ -60,17 +70,25 @@ class ModelReplica:
         self._info = info
         self._max_waiting = max_waiting_requests
         self._num_waiting = 0  # requests accepted here that have not produced a delta yet
+        self._unloads: set[asyncio.Task[None]] = set()  # adapters waiting for their requests to finish
 
     @classmethod
-    async def start(cls, args: ServeArgs) -> ModelReplica:
-        return cls(*await start_engine(args.engine, args.served_model_name), args.max_waiting_requests)
+    async def start(cls, model: ModelArgs, loras: Sequence[LoRARequest] = ()) -> ModelReplica:
+        replica = cls(*await start_engine(model.engine, model.served_model_name), model.max_waiting_requests)
+        for lora in loras:
+            await replica.add_lora(lora)
+        return replica
 
     @property
     def tokenizer(self) -> Any:
         return self._engine.engine.tokenizer
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the engine's deltas. Closing this stream early (client gone) aborts the request."""
         self._admit()
@@ -78,7 +96,9 @@ class ModelReplica:
         try:
             # aclosing: a stream closed early closes the engine's generator at once, which aborts the
             # request and frees its blocks (not whenever the garbage collector finalizes it).
-            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as deltas:
+            async with contextlib.aclosing(
+                self._engine.generate(request_id, prompt_token_ids, params, lora_request)
+            ) as deltas:
                 async for delta in deltas:
                     if waiting:
                         waiting = False
@@ -102,6 +122,48 @@ class ModelReplica:
             )
         self._num_waiting += 1
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load `lora` into this engine (a no-op when it is loaded; LoRAError when it cannot be served, and
+        nothing changes then)."""
+        await self._engine.add_lora(lora)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await self._engine.remove_lora(lora_int_id)
+
+    async def sync_loras(self, loras: Sequence[LoRARequest]) -> None:
+        """Make the resident adapters the application's: unload the ones no longer served, load the new ones.
+        An adapter still used by requests is unloaded once they finish (`_unload_when_idle`); one that cannot
+        load here is logged, and its requests get the engine's 400 when they name it."""
+        wanted = {lora.lora_int_id: lora for lora in loras}
+        for lora in await self._engine.list_loras():
+            if lora.lora_int_id not in wanted:
+                await self._unload_when_idle(lora.lora_int_id)
+        for lora in wanted.values():
+            try:
+                await self._engine.add_lora(lora)
+            except Exception as e:
+                logger.warning("LoRA adapter %s could not be loaded into this replica: %s", lora.lora_name, e)
+
+    async def _unload_when_idle(self, lora_int_id: int) -> None:
+        try:
+            await self._engine.remove_lora(lora_int_id)
+        except LoRAError:  # in use: the engine refuses to pull weights from under running requests
+            task = asyncio.get_running_loop().create_task(self._retry_unload(lora_int_id))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _retry_unload(self, lora_int_id: int) -> None:
+        while True:
+            await asyncio.sleep(UNLOAD_RETRY_S)
+            try:
+                await self._engine.remove_lora(lora_int_id)
+                return
+            except LoRAError:
+                continue
+            except Exception as e:  # a dead engine: the replica is being replaced, with its adapters
+                logger.warning("unloading LoRA adapter %d failed: %s", lora_int_id, e)
+                return
+
     async def model_info(self) -> dict[str, Any]:
         return self._info
 
@@ -119,13 +181,26 @@ class ModelReplica:
 
 
 class LLMServer(ModelReplica):
-    """The `LLMServer` deployment of `split_ingress` apps: a `ModelReplica` as a Serve replica of its
-    own, reached by the ingress through a deployment handle (one Ray message per streamed token)."""
+    """The `LLMServer` deployment of `split_ingress` apps, one per model of a multi-model app: a
+    `ModelReplica` as a Serve replica of its own, reached by the ingress through a deployment handle (one
+    Ray message per streamed token). `registry`: the application's LoRARegistry, when adapters can be
+    loaded at runtime: this replica follows it (including a replica started later by autoscaling)."""
 
     # Serve (like Ray actors) runs an async __init__ to completion before the replica takes requests.
-    async def __init__(self, args: ServeArgs) -> None:  # type: ignore[misc]
-        engine, info = await start_engine(args.engine, args.served_model_name)
-        super().__init__(engine, info, args.max_waiting_requests)
+    async def __init__(  # type: ignore[misc]
+        self, model: ModelArgs, loras: Sequence[LoRARequest] = (), registry: DeploymentHandle | None = None
+    ) -> None:
+        engine, info = await start_engine(model.engine, model.served_model_name)
+        super().__init__(engine, info, model.max_waiting_requests)
+        for lora in loras:
+            await self.add_lora(lora)
+        self._sync: LoRASync | None = None
+        if registry is not None:
+            name = model.name
+            self._sync = LoRASync(
+                registry, lambda table: self.sync_loras([a.lora for a in table if a.base_model == name])
+            )
+            await self._sync.start()
 
     async def check_health(self) -> None:
         # Serve's health hook: raising marks this replica unhealthy, and Serve replaces it
@@ -133,5 +208,7 @@ class LLMServer(ModelReplica):
         await self.health()
 
     async def __del__(self) -> None:
+        if getattr(self, "_sync", None) is not None:
+            await self._sync.stop()  # type: ignore[union-attr]
         with contextlib.suppress(Exception):  # a half-built or already failed engine: nothing to release
             await self.shutdown()

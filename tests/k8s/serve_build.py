@@ -23,14 +23,20 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
     from ray.serve.handle import DeploymentHandle
 
     from cluster.config import EngineConfig
-    from raytp.serve.args import ServeArgs
+    from raytp.serve.args import ModelArgs, ServeArgs
 
     def engine_configs(init_args: tuple[Any, ...]) -> list[EngineConfig]:
-        """The EngineConfig of the model replica a deployment hosts: LLMServer's, or the ingress's when it is
-        bound to no LLMServer handle (each gets the app's ServeArgs; a split ingress only loads a tokenizer)."""
-        if any(isinstance(a, DeploymentHandle) for a in init_args):
+        """The EngineConfig of the model replica a deployment hosts: an LLMServer's (its ModelArgs), or the
+        ingress's when it is bound to no LLMServer handles (the app's ServeArgs, one model; a split ingress
+        only loads tokenizers)."""
+        handles = [a for a in init_args if isinstance(a, DeploymentHandle)]
+        handles += [h for a in init_args if isinstance(a, dict) for h in a.values() if isinstance(h, DeploymentHandle)]
+        models = [a for a in init_args if isinstance(a, ModelArgs)]
+        if models:
+            return [m.engine for m in models]
+        if handles:
             return []
-        return [a.engine for a in init_args if isinstance(a, ServeArgs)]
+        return [a.model.engine for a in init_args if isinstance(a, ServeArgs)]
 
     app_config = config["applications"][0]
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_config["import_path"]), app_config["args"])
@@ -43,6 +49,7 @@ def build(config: dict[str, Any]) -> dict[str, Any]:
             "num_replicas": d.num_replicas,
             "autoscaling": None if autoscaling is None else [autoscaling.min_replicas, autoscaling.max_replicas],
             "binds_engine": bool(engine_configs(d.init_args)),
+            "served_names": [m.name for m in d.init_args if isinstance(m, ModelArgs)],
         }
         engines += [dataclasses.asdict(c) for c in engine_configs(d.init_args)]
     return {

@@ -56,7 +56,7 @@ class FakeEngine:
         self.prompt_ids: list[int] = []
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_request: object = None
     ) -> AsyncIterator[RequestDelta]:
         self.params, self.prompt_ids = params, prompt_token_ids
         yield RequestDelta(request_id, prompt=PromptInfo(None, prompt_token_ids, None, 0))

@@ -79,6 +79,21 @@ def test_raytp_serve_refuses_a_bad_model_before_starting_ray(capsys: pytest.Capt
     assert "tensor_parallel_size=2 must divide" in capsys.readouterr().err
 
 
+def test_raytp_serve_refuses_a_bad_adapter_or_config_before_starting_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import ray
+
+    assert main(["serve", "--enable-lora", "--lora-modules", "sql=/no/such/adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "'sql'" in err and "/no/such/adapter" in err
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  - {model: /no/such/model, served_model_name: a}\n  - {served_model_name: b}\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize(
     ("args", "env", "expected"),
     [

@@ -150,20 +150,25 @@ def test_body_limit_setting_from_flag_to_app() -> None:
 def test_every_serve_arg_is_a_flag_and_unset_flags_keep_its_defaults() -> None:
     import dataclasses
 
-    own = [f.name for f in dataclasses.fields(ServeArgs) if f.name not in ("engine", "chat")]
+    from raytp.serve.args import ModelArgs
+
+    own = [f.name for f in dataclasses.fields(ServeArgs) if f.name != "models"]
+    own += [f.name for f in dataclasses.fields(ModelArgs) if f.name not in ("engine", "chat")]
     own += [f.name for f in dataclasses.fields(ChatSettings)]  # the chat flags are flat, as the engine's
     default = build_parser().parse_args(["serve"])
-    assert all(getattr(default, name) is None for name in own)  # unset: ServeArgs' own default applies
+    assert all(getattr(default, name) is None for name in own)  # unset: the dataclasses' own defaults apply
     assert ServeArgs.from_dict(serve_args_of(default)) == ServeArgs()
     args = build_parser().parse_args(
         ["serve", "--split-ingress", "--ingress-replicas", "2", "--autoscaling-config", '{"max_replicas": 3}']
         + ["--health-check-period-s", "1.5", "--max-ongoing-requests", "7"]
     )
     sa = ServeArgs.from_dict(serve_args_of(args))
-    assert (sa.split_ingress, sa.ingress_replicas, sa.autoscaling_config) == (True, 2, {"max_replicas": 3})
-    assert (sa.health_check_period_s, sa.max_ongoing_requests) == (1.5, 7)
+    assert (sa.split_ingress, sa.ingress_replicas, sa.model.autoscaling_config) == (True, 2, {"max_replicas": 3})
+    assert (sa.model.health_check_period_s, sa.model.max_ongoing_requests) == (1.5, 7)
     chat = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     sa = ServeArgs.from_dict(serve_args_of(build_parser().parse_args(chat)))
-    assert sa.chat == ChatSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+    assert sa.model.chat == ChatSettings(
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"
+    )
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         ServeArgs.from_dict(serve_args_of(build_parser().parse_args(["serve", "--enable-auto-tool-choice"])))

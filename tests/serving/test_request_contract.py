@@ -57,7 +57,7 @@ class FakeEngine:
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_request: object = None
     ) -> AsyncIterator[RequestDelta]:
         self.calls.append((list(prompt_token_ids), params))
         prompt_lps = None

@@ -206,5 +206,6 @@ def test_serve_args_request_router() -> None:
     assert ServeArgs.from_dict({"split_ingress": True, "request_router": "pow2"}).request_router == "pow2"
     with pytest.raises(ValueError, match="request_router must be one of prefix, pow2"):
         ServeArgs.from_dict({"split_ingress": True, "request_router": "round_robin"})
-    with pytest.raises(ValueError, match="request_router needs split_ingress"):
-        ServeArgs.from_dict({"request_router": "prefix"})
+    with pytest.raises(ValueError, match="request_router needs the split topology"):
+        ServeArgs.from_dict({"request_router": "prefix"})  # one replica: HAProxy forwards, nothing to route
+    assert ServeArgs.from_dict({"num_replicas": 2, "request_router": "pow2"}).split  # 2+ replicas run split

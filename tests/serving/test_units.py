@@ -24,7 +24,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_serve_args_parsing() -> None:
     sa = ServeArgs.from_dict({"model": "m", "tensor_parallel_size": 2, "num_replicas": 3, "api_key": "k"})
-    assert sa.engine.model == "m" and sa.engine.tensor_parallel_size == 2 and sa.num_replicas == 3
+    m = sa.model
+    assert m.engine.model == "m" and m.engine.tensor_parallel_size == 2 and m.num_replicas == 3
+    # 2+ replicas run split, so Serve's prefix router picks each request's replica; one replica, or
+    # split_ingress=False, stays behind HAProxy.
+    assert sa.split and not ServeArgs.from_dict({"num_replicas": 1}).split
+    assert ServeArgs.from_dict({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}).split
+    assert not ServeArgs.from_dict({"autoscaling_config": {"min_replicas": 1}}).split  # Serve's max_replicas: 1
+    assert not ServeArgs.from_dict({"num_replicas": 3, "split_ingress": False}).split
+    with pytest.raises(ValueError, match="request_router needs the split topology"):
+        ServeArgs.from_dict({"num_replicas": 3, "split_ingress": False, "request_router": "pow2"})
+    with pytest.raises(ValueError, match="several models always run split"):
+        ServeArgs.from_dict(
+            {"models": [{"served_model_name": "a"}, {"served_model_name": "b"}], "split_ingress": False}
+        )
     with pytest.raises(ValueError, match="unknown serve arguments: tensor_paralel_size"):
         ServeArgs.from_dict({"tensor_paralel_size": 2})
     with pytest.raises(ValueError, match="exclusive"):
@@ -37,10 +50,11 @@ def test_serve_args_parsing() -> None:
     assert ServeArgs.from_dict({"split_ingress": True, "ingress_replicas": 2}).ingress_replicas == 2
 
 
-def test_example_serve_config_is_valid() -> None:
+@pytest.mark.parametrize("name", ["serve_config.example.yaml", "serve_config.multi.example.yaml"])
+def test_example_serve_config_is_valid(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    config = yaml.safe_load((ROOT / "serve_config.example.yaml").read_text())
+    config = yaml.safe_load((ROOT / name).read_text())
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
     assert app.import_path == "serve_app:build_app"
@@ -103,21 +117,25 @@ def test_the_http_app_and_batch_lines_take_the_route_table() -> None:
     """One table: the app's POST routes are its rows, each validating with its row's model, and a batch
     line may name each of them (and nothing else)."""
     import json
-    from typing import cast
+    from typing import Any, cast
 
     from fastapi.routing import APIRoute
 
     from raytp.batch.input import BatchError, BatchRow, parse_line
     from raytp.openai.app import openai_app
     from raytp.openai.context import ServingContext
+    from raytp.openai.models import ServedModels
     from raytp.openai.routes import ROUTES
 
     async def healthy() -> None:
         return None
 
-    app = openai_app(cast(ServingContext, object()), healthy, api_key=None)  # handlers keep ctx until a request
+    ctx = ServingContext(cast(Any, None), None, "m", max_model_len=8, vocab_size=8, max_token_chars=1)
+    app = openai_app(ServedModels([ctx]), healthy, api_key=None)  # nothing touches the engine until a request
     posts = {r.path: r.methods for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods}
-    assert posts == {r.path: {r.method} for r in ROUTES}
+    # the table's rows, and the runtime LoRA routes (the app's own: batch jobs do not load adapters)
+    lora_routes = {"/v1/load_lora_adapter": {"POST"}, "/v1/unload_lora_adapter": {"POST"}}
+    assert posts == {r.path: {r.method} for r in ROUTES} | lora_routes
     spec = app.openapi()
     for r in ROUTES:
         body = spec["paths"][r.path]["post"]["requestBody"]["content"]["application/json"]["schema"]

@@ -46,9 +46,10 @@ one GPU and PACK keeps a replica's ranks on one pod); on CPU, one.
 {{- end }}
 
 {{- define "raytp.replicasPerPod" -}}
-{{- if .Values.worker.gpu.enabled }}
-{{- $gpus := include "raytp.gpusPerPod" . | int }}
-{{- $tp := .Values.engine.tensor_parallel_size | int }}
+{{- $root := .root | default . }}
+{{- if $root.Values.worker.gpu.enabled }}
+{{- $gpus := include "raytp.gpusPerPod" $root | int }}
+{{- $tp := .tp | default $root.Values.engine.tensor_parallel_size | int }}
 {{- if or (lt $gpus $tp) (ne (mod $gpus $tp) 0) }}
 {{- fail (printf "worker.gpu.perPod (%d) must be a multiple of engine.tensor_parallel_size (%d): a model replica's TP ranks share one pod" $gpus $tp) }}
 {{- end }}
@@ -56,10 +57,71 @@ one GPU and PACK keeps a replica's ranks on one pod); on CPU, one.
 {{- else }}1{{ end }}
 {{- end }}
 
-{{/* Worker pods for N model replicas: ceil(N / replicasPerPod). Call with (dict "root" $ "n" N). */}}
+{{/* Worker pods for N model replicas: ceil(N / replicasPerPod). Call with (dict "root" $ "n" N [ "tp" TP ]);
+TP defaults to engine.tensor_parallel_size. */}}
 {{- define "raytp.podsFor" -}}
-{{- $per := include "raytp.replicasPerPod" .root | int }}
+{{- $per := include "raytp.replicasPerPod" (dict "root" .root "tp" .tp) | int }}
 {{- div (add (int .n) (sub $per 1)) $per }}
+{{- end }}
+
+{{/* "true" when the model or any of `models` comes from source .source. Call with (dict "root" $ "source" S). */}}
+{{- define "raytp.usesSource" -}}
+{{- $v := .root.Values }}
+{{- $used := and (not $v.models) (eq $v.model.source .source) }}
+{{- range $v.models }}{{ if eq (.source | default "embedded") $.source }}{{ $used = true }}{{ end }}{{ end }}
+{{- if $used }}true{{ end }}
+{{- end }}
+
+{{/*
+One entry of `models` as build_app's args take it (ModelArgs): model, served_model_name, replicas or
+autoscaling, its engine overrides, its LoRA modules. Call with (dict "root" $ "m" ENTRY).
+*/}}
+{{- define "raytp.modelEntry" -}}
+{{- $v := .root.Values }}
+{{- $m := .m }}
+{{- $args := dict "served_model_name" $m.servedModelName }}
+{{- $source := $m.source | default "embedded" }}
+{{- if eq $source "pvc" }}
+{{- if not $v.model.pvc.claimName }}{{ fail (printf "models: %s comes from the PVC: set model.pvc.claimName" $m.servedModelName) }}{{ end }}
+{{- $_ := set $args "model" (printf "%s/%s" (trimSuffix "/" $v.model.pvc.mountPath) $m.path) }}
+{{- else if eq $source "huggingface" }}
+{{- $_ := set $args "model" $m.id }}
+{{- end }}
+{{- $scaling := $m.autoscaling | default $v.serving.autoscaling }}
+{{- if $scaling.enabled }}
+{{- $_ := set $args "autoscaling_config" $scaling.config }}
+{{- else }}
+{{- $_ := set $args "num_replicas" ($m.numReplicas | default $v.serving.numReplicas) }}
+{{- end }}
+{{- range $key, $value := $m.engine }}
+{{- if not (kindIs "invalid" $value) }}{{ $_ := set $args $key $value }}{{ end }}
+{{- end }}
+{{- with $m.loraModules }}{{ $_ := set $args "lora_modules" . }}{{ end }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/*
+Worker pods the model replicas need: (dict "min" N "max" M) as YAML, summed over `models` (each its own
+replicas and TP size) or for the one model.
+*/}}
+{{- define "raytp.servicePods" -}}
+{{- $v := .Values }}
+{{- $min := 0 }}
+{{- $max := 0 }}
+{{- $entries := $v.models }}
+{{- if not $entries }}{{ $entries = list (dict) }}{{ end }}
+{{- range $entries }}
+{{- $scaling := .autoscaling | default $v.serving.autoscaling }}
+{{- $n := .numReplicas | default $v.serving.numReplicas }}
+{{- $cfg := $scaling.config }}
+{{- if and $scaling.enabled (gt (int $cfg.min_replicas) (int $cfg.max_replicas)) }}
+{{- fail (printf "serving.autoscaling.config: min_replicas (%d) exceeds max_replicas (%d)" (int $cfg.min_replicas) (int $cfg.max_replicas)) }}
+{{- end }}
+{{- $tp := (.engine | default dict).tensor_parallel_size | default $v.engine.tensor_parallel_size }}
+{{- $min = add $min (include "raytp.podsFor" (dict "root" $ "n" (ternary $cfg.min_replicas $n $scaling.enabled) "tp" $tp) | int) }}
+{{- $max = add $max (include "raytp.podsFor" (dict "root" $ "n" (ternary $cfg.max_replicas $n $scaling.enabled) "tp" $tp) | int) }}
+{{- end }}
+{{- toYaml (dict "min" $min "max" $max) }}
 {{- end }}
 
 {{/* The `model` arg: null (omitted) for the embedded model, a mounted path, or a hub id. */}}
@@ -82,17 +144,26 @@ raytp/serve/args.py). The API key is never an arg: the ingress reads RAYTP_API_K
 {{- range $key, $value := $v.engine }}
 {{- if not (kindIs "invalid" $value) }}{{ $_ := set $args $key $value }}{{ end }}
 {{- end }}
+{{- if $v.models }}
+{{- /* several models: the engine values above are every model's defaults; each entry sets its own */}}
+{{- $models := list }}
+{{- range $v.models }}{{ $models = append $models (include "raytp.modelEntry" (dict "root" $ "m" .) | fromYaml) }}{{ end }}
+{{- $_ := set $args "models" $models }}
+{{- $_ := set $args "ingress_replicas" $v.serving.ingressReplicas }}
+{{- else }}
 {{- with include "raytp.modelArg" . }}{{ $_ := set $args "model" . }}{{ end }}
 {{- with $v.model.servedModelName }}{{ $_ := set $args "served_model_name" . }}{{ end }}
+{{- with $v.model.loraModules }}{{ $_ := set $args "lora_modules" . }}{{ end }}
 {{- if $v.serving.autoscaling.enabled }}
 {{- $_ := set $args "autoscaling_config" $v.serving.autoscaling.config }}
 {{- else }}
 {{- $_ := set $args "num_replicas" $v.serving.numReplicas }}
 {{- end }}
-{{- if $v.serving.splitIngress }}
-{{- $_ := set $args "split_ingress" true }}
-{{- $_ := set $args "ingress_replicas" $v.serving.ingressReplicas }}
 {{- end }}
+{{- if $v.serving.enableRuntimeLoraUpdating }}{{ $_ := set $args "enable_runtime_lora_updating" true }}{{ end }}
+{{- if not (kindIs "invalid" $v.serving.splitIngress) }}{{ $_ := set $args "split_ingress" $v.serving.splitIngress }}{{ end }}
+{{- if $v.serving.splitIngress }}{{ $_ := set $args "ingress_replicas" $v.serving.ingressReplicas }}{{ end }}
+{{- with $v.serving.requestRouter }}{{ $_ := set $args "request_router" . }}{{ end }}
 {{- $_ := set $args "max_ongoing_requests" $v.serving.maxOngoingRequests }}
 {{- if not (kindIs "invalid" $v.serving.maxWaitingRequests) }}{{ $_ := set $args "max_waiting_requests" $v.serving.maxWaitingRequests }}{{ end }}
 {{- if not (kindIs "invalid" $v.serving.healthCheckPeriodS) }}{{ $_ := set $args "health_check_period_s" $v.serving.healthCheckPeriodS }}{{ end }}
@@ -159,7 +230,7 @@ through toJson so large integers never print in exponent form.
       name: {{ $v.serving.apiKey.secretName }}
       key: {{ $v.serving.apiKey.secretKey }}
 {{- end }}
-{{- if eq $v.model.source "huggingface" }}
+{{- if include "raytp.usesSource" (dict "root" .root "source" "huggingface") }}
 - name: HF_HOME
   value: {{ $v.model.huggingface.cache.mountPath | quote }}
 {{- with $v.model.huggingface.tokenSecret.name }}
@@ -199,12 +270,13 @@ through toJson so large integers never print in exponent form.
 {{/* Volumes and their mounts; same arguments as raytp.env. The model is mounted read-only. */}}
 {{- define "raytp.volumes" -}}
 {{- $v := .root.Values }}
-{{- if eq $v.model.source "pvc" }}
+{{- if include "raytp.usesSource" (dict "root" .root "source" "pvc") }}
 - name: model
   persistentVolumeClaim:
     claimName: {{ $v.model.pvc.claimName }}
     readOnly: true
-{{- else if eq $v.model.source "huggingface" }}
+{{- end }}
+{{- if include "raytp.usesSource" (dict "root" .root "source" "huggingface") }}
 - name: hf-cache
 {{- $cache := $v.model.huggingface.cache }}
 {{- if $cache.existingClaim }}
@@ -232,11 +304,12 @@ through toJson so large integers never print in exponent form.
 
 {{- define "raytp.volumeMounts" -}}
 {{- $v := .root.Values }}
-{{- if eq $v.model.source "pvc" }}
+{{- if include "raytp.usesSource" (dict "root" .root "source" "pvc") }}
 - name: model
   mountPath: {{ $v.model.pvc.mountPath }}
   readOnly: true
-{{- else if eq $v.model.source "huggingface" }}
+{{- end }}
+{{- if include "raytp.usesSource" (dict "root" .root "source" "huggingface") }}
 - name: hf-cache
   mountPath: {{ $v.model.huggingface.cache.mountPath }}
 {{- end }}
