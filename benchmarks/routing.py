@@ -2,7 +2,7 @@
 and the per-replica split of the work, for 2 model replicas under each routing.
 
 Routings (`--configs`):
-- haproxy: the default topology; HAProxy (Ray 2.60's `leastconn`) in front of 2 OpenAIIngress replicas
+- haproxy: split_ingress=False; HAProxy (Ray 2.60's `leastconn`) in front of 2 OpenAIIngress replicas
   that each host an engine;
 - pow2: `split_ingress`, one ingress in front of 2 LLMServer replicas, Serve's power-of-two router;
 - prefix: the same with raytp's PrefixAwareRouter (raytp/serve/routing.py);
@@ -79,8 +79,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 def app_args(config: str, blocks: int) -> dict[str, Any]:
     engine = {"num_gpu_blocks_override": blocks, "max_model_len": 2048, "swap_space": 0.25}
-    if config == "haproxy":
-        return {**engine, "num_replicas": 2}
+    if config == "haproxy":  # 2 replicas run split by default: keep them behind HAProxy
+        return {**engine, "num_replicas": 2, "split_ingress": False}
     return {
         **engine,
         "num_replicas": 2,

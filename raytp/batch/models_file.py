@@ -5,6 +5,8 @@
         served_model_name: llama          # what rows send as `model`
         num_replicas: 2                   # this model's engine replicas
         tensor_parallel_size: 2
+        enable_lora: true
+        lora_modules: [sql=/adapters/sql] # adapters rows may name as `model` (as --lora-modules)
       - model: /models/qwen3-1.7b
         served_model_name: qwen
 
@@ -22,9 +24,10 @@ import yaml
 
 from cluster.config import EngineConfig
 from raytp.batch.runner import BatchModel
+from raytp.serve.args import LoRAModule
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
-_OWN_FIELDS = frozenset({"served_model_name", "num_replicas"})
+_OWN_FIELDS = frozenset({"served_model_name", "num_replicas", "lora_modules"})
 
 
 def read_models_file(path: str | Path, base: EngineConfig, num_replicas: int = 1) -> list[BatchModel]:
@@ -47,6 +50,7 @@ def _model(path: str | Path, index: int, entry: Any, base: EngineConfig, num_rep
         raise ValueError(f"{where} has unknown settings: {', '.join(unknown)}.")
     try:
         engine = dataclasses.replace(base, **{k: v for k, v in entry.items() if k in _ENGINE_FIELDS})
-        return BatchModel(engine, entry.get("served_model_name"), int(entry.get("num_replicas", num_replicas)))
+        loras = tuple(LoRAModule.parse(m) for m in entry.get("lora_modules") or ())
+        return BatchModel(engine, entry.get("served_model_name"), int(entry.get("num_replicas", num_replicas)), loras)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,10 @@ from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.context import ServingContext, max_token_chars
 from raytp.openai.engine_client import ActorEngineClient
 from raytp.openai.errors import OpenAIError, bad_request, to_openai_error
+from raytp.openai.models import Adapter, ServedModels
 from raytp.openai.protocol import SamplingFields
 from raytp.openai.routes import ROUTES_BY_PATH, handlers
+from scheduler.lora import LoRARequest
 
 CONTROLLER_PREFIX = "raytp-batch-engine-"
 ENGINE_START_ATTEMPTS = 3
@@ -38,8 +41,13 @@ class BatchReplica:
     """Ray Data callable class: a batch of input lines -> a batch of output lines."""
 
     def __init__(
-        self, engine_config: EngineConfig, served_model_name: str | None = None, chat: ChatSettings | None = None
+        self,
+        engine_config: EngineConfig,
+        served_model_name: str | None = None,
+        chat: ChatSettings | None = None,
+        loras: Sequence[LoRARequest] = (),
     ) -> None:
+        """`loras`: adapters rows may name as `model` (the engine loads each at its first row)."""
         from model_exec.source import load_tokenizer, resolve_model
 
         self._config = engine_config
@@ -47,6 +55,7 @@ class BatchReplica:
         self._tokenizer = load_tokenizer(source, engine_config.trust_remote_code)
         self._model_name = served_model_name or source.name
         self._chat = chat if chat is not None else ChatSettings()
+        self._loras = list(loras)
         self._loop = asyncio.new_event_loop()
         self._start_engine()
 
@@ -76,7 +85,8 @@ class BatchReplica:
             max_token_chars=max_token_chars(self._tokenizer),
             chat=self._chat,
         )
-        self._handlers = handlers(self.ctx)
+        adapters = [Adapter(lora, self._model_name) for lora in self._loras]
+        self._handlers = handlers(ServedModels([self.ctx], adapters))
         self._engine_lost = False
 
     async def _answer(self, line_no: int, text: str) -> tuple[str, str, dict[str, Any], bool]:

@@ -33,6 +33,8 @@ from raytp.batch.journal import Journal
 from raytp.batch.output import is_failure, write_final
 from raytp.batch.status import BatchStatus, status_path_for
 from raytp.openai.chat_settings import ChatSettings
+from raytp.serve.args import LoRAModule
+from scheduler.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 MAX_PASSES = 3  # a pass redoes the rows whose replica died in the one before
@@ -53,10 +55,15 @@ class BatchModel:
     engine: EngineConfig
     served_model_name: str | None = None
     num_replicas: int = 1
+    # adapters rows may name as `model` (`--lora-modules`); the job numbers them 1..n over all its models
+    lora_modules: tuple[LoRAModule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError("num_replicas must be at least 1.")
+        if self.lora_modules and not self.engine.enable_lora:
+            names = ", ".join(m.name for m in self.lora_modules)
+            raise ValueError(f"lora_modules ({names}) need enable_lora (--enable-lora).")
 
     @property
     def model_name(self) -> str:
@@ -79,6 +86,7 @@ class BatchJob:
     batch_size: int = 64  # rows per map_batches call: all of them are in the engine at once
     show_progress: bool = True
     more_models: tuple[BatchModel, ...] = ()
+    lora_modules: tuple[LoRAModule, ...] = ()  # the first model's adapters (each of more_models has its own)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -88,7 +96,8 @@ class BatchJob:
 
     @property
     def models(self) -> tuple[BatchModel, ...]:
-        return (BatchModel(self.engine, self.served_model_name, self.num_replicas), *self.more_models)
+        first = BatchModel(self.engine, self.served_model_name, self.num_replicas, self.lora_modules)
+        return (first, *self.more_models)
 
     @property
     def model_name(self) -> str:
@@ -97,12 +106,18 @@ class BatchJob:
 
     @property
     def model_names(self) -> list[str]:
-        """Every served name, in order; two models under one name are refused."""
-        names = [m.model_name for m in self.models]
+        """Every name rows may send as `model`: each model's, then its adapters'; a name taken twice is refused."""
+        names = [m.model_name for m in self.models] + [a.name for m in self.models for a in m.lora_modules]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise ValueError(f"two models of this job are served as {', '.join(twice)}: set served_model_name.")
+            raise ValueError(f"two models or adapters of this job are served as {', '.join(twice)}.")
         return names
+
+    def adapters(self) -> list[tuple[BatchModel, LoRARequest]]:
+        """Every adapter with its base model, numbered 1..n in the order the models list them (as `raytp serve`
+        numbers --lora-modules)."""
+        pairs = [(m, a) for m in self.models for a in m.lora_modules]
+        return [(m, LoRARequest(a.name, i, a.path)) for i, (m, a) in enumerate(pairs, start=1)]
 
     @property
     def journal_path(self) -> Path:
@@ -110,14 +125,16 @@ class BatchJob:
         return p.with_name(p.name + ".journal")
 
 
-def _pending(batch: dict[str, np.ndarray], done: frozenset[str], model: str, default: str) -> dict[str, np.ndarray]:
-    """Input lines of `model` not yet committed (line numbers are not needed: the file is already validated).
-    A line naming no model belongs to `default`."""
+def _pending(
+    batch: dict[str, np.ndarray], done: frozenset[str], names: frozenset[str], default: str
+) -> dict[str, np.ndarray]:
+    """Input lines for one model (`names`: the model's and its adapters') not yet committed (line numbers are not
+    needed: the file is already validated). A line naming no model belongs to `default`."""
     rows = [json.loads(str(t)) for t in batch["text"] if str(t).strip()]
     keep = [
         json.dumps(r, ensure_ascii=False)
         for r in rows
-        if r["custom_id"] not in done and model_of(r["body"], default) == model
+        if r["custom_id"] not in done and model_of(r["body"], default) in names
     ]
     return {"line": np.zeros(len(keep), dtype=np.int64), "text": np.array(keep, dtype=object)}
 
@@ -187,11 +204,13 @@ def run_batch(job: BatchJob) -> BatchStatus:
         rows_of = rows_by_model(job.input_file, job.model_name)
         # One model at a time, in the job's order: the cluster holds one model's engines at once.
         for model in job.models:
-            ids = rows_of.get(model.model_name, set())
+            loras = [lora for m, lora in job.adapters() if m == model]
+            names = frozenset([model.model_name, *(lora.lora_name for lora in loras)])
+            ids = set().union(*(rows_of.get(n, set()) for n in names))
             for _ in range(MAX_PASSES):
                 if ids <= journal.done.keys():
                     break
-                _one_pass(job, model, journal, status, metrics)
+                _one_pass(job, model, loras, names, journal, status, metrics)
         if len(journal.done) < status.total:
             status.set("failed")
             raise RuntimeError(
@@ -221,15 +240,24 @@ def _record(metrics: BatchMetrics, status: BatchStatus) -> None:
     metrics.record_progress(BatchProgress(rows_total=status.total, rows_done=done, rows_failed=status.failed))
 
 
-def _one_pass(job: BatchJob, model: BatchModel, journal: Journal, status: BatchStatus, metrics: BatchMetrics) -> None:
-    """One pass over `model`'s rows not yet journalled, through its own engine replicas."""
+def _one_pass(
+    job: BatchJob,
+    model: BatchModel,
+    loras: list[LoRARequest],
+    names: frozenset[str],
+    journal: Journal,
+    status: BatchStatus,
+    metrics: BatchMetrics,
+) -> None:
+    """One pass over the rows of `model` (`names`: it and its adapters) not yet journalled, through its own
+    engine replicas."""
     import ray
     from tqdm import tqdm
 
     from raytp.batch.replica import BatchReplica
 
     ds = ray.data.read_text(os.path.abspath(job.input_file))
-    pending = functools.partial(_pending, done=frozenset(journal.done), model=model.model_name, default=job.model_name)
+    pending = functools.partial(_pending, done=frozenset(journal.done), names=names, default=job.model_name)
     ds = ds.map_batches(pending, batch_format="numpy")
     ds = ds.map_batches(
         BatchReplica,
@@ -237,6 +265,7 @@ def _one_pass(job: BatchJob, model: BatchModel, journal: Journal, status: BatchS
             "engine_config": model.engine,
             "served_model_name": model.model_name,
             "chat": job.chat,
+            "loras": loras,
         },
         concurrency=model.num_replicas,
         batch_size=job.batch_size,

@@ -31,6 +31,13 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="rows in flight per replica")
     p.add_argument("--served-model-name", default=None, help="the model name bodies may send")
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters rows may name as `model` (with --enable-lora): name=path, or vLLM's JSON form",
+    )
+    p.add_argument(
         "--models-file",
         default=None,
         help="YAML/JSON list of models (`models:` entries of engine settings, served_model_name, num_replicas) "
@@ -46,20 +53,27 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
 def cmd_batch(args: argparse.Namespace) -> int:
     import ray
 
+    from model_exec.lora.peft_config import read_adapter_config
     from raytp.batch.models_file import read_models_file
     from raytp.batch.runner import BatchJob, BatchModel, BatchRefused, run_batch, validate_only
+    from raytp.serve.args import LoRAModule
+    from scheduler.lora import LoRARequest
 
     engine = dataclasses.replace(engine_config_from_args(args), model=args.model)
-    models = [BatchModel(engine, args.served_model_name, args.num_replicas)]
-    if args.models_file is not None:
-        if args.model is not None or args.served_model_name is not None:
-            print("raytp batch: give the models either as MODEL or in --models-file, not both.", file=sys.stderr)
-            return 2
-        try:
+    try:
+        if args.models_file is None:
+            loras = tuple(LoRAModule.parse(m) for m in args.lora_modules or ())
+            models = [BatchModel(engine, args.served_model_name, args.num_replicas, loras)]
+        elif args.model is not None or args.served_model_name is not None or args.lora_modules:
+            raise ValueError("give the models (and their adapters) either on the command line or in --models-file.")
+        else:
             models = read_models_file(args.models_file, engine, args.num_replicas)
-        except (OSError, ValueError) as e:
-            print(f"raytp batch: {e}", file=sys.stderr)
-            return 2
+        for m in models:  # a bad adapter is refused before Ray or any model starts, naming it
+            for a in m.lora_modules:
+                read_adapter_config(LoRARequest(a.name, 1, a.path), m.engine.max_lora_rank)
+    except (OSError, ValueError) as e:
+        print(f"raytp batch: {e}", file=sys.stderr)
+        return 2
     first, *more = models
     job = BatchJob(
         input_file=args.input_file,
@@ -72,6 +86,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         batch_size=args.max_concurrency,
         show_progress=not args.no_progress and sys.stderr.isatty(),
         more_models=tuple(more),
+        lora_modules=first.lora_modules,
     )
     try:
         validate_only(job)  # refuse a bad file before Ray or any model starts

@@ -192,3 +192,14 @@ def test_a_bad_models_file_is_refused_naming_the_entry(tmp_path: Path, capsys: A
     else:
         err = capsys.readouterr().err
     assert rc == 2 and needle in err, err
+
+
+def test_a_bad_adapter_is_refused_before_anything_runs(tmp_path: Path, capsys: Any) -> None:
+    """`--lora-modules` with a path that holds no PEFT checkpoint, or without --enable-lora: exit 2 naming it."""
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(row("a"))])
+    out = str(tmp_path / "out.jsonl")
+    assert main(["batch", "-i", str(src), "-o", out, "--enable-lora", "--lora-modules", "sql=/no/such/adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "'sql'" in err and "/no/such/adapter" in err and "adapter_config.json" in err
+    assert main(["batch", "-i", str(src), "-o", out, "--lora-modules", "sql=/no/such/adapter"]) == 2
+    assert "need enable_lora" in capsys.readouterr().err

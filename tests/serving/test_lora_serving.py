@@ -68,8 +68,8 @@ def server(request: pytest.FixtureRequest, paths: dict[str, str], expected: dict
         "lora_modules": [f"sql={paths['sql']}"],
         **LORA,
     }
-    if request.param == "default":
-        args = {**tiny, "enable_runtime_lora_updating": True, **ENGINE}
+    if request.param == "default":  # two ingress replicas hosting their engines, behind HAProxy
+        args = {**tiny, "split_ingress": False, "enable_runtime_lora_updating": True, **ENGINE}
     else:
         other = {"model": paths["model"], "served_model_name": "other", "num_replicas": 1}
         args = {"models": [tiny, other], "ingress_replicas": REPLICAS, "enable_runtime_lora_updating": True, **ENGINE}
