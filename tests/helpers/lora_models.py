@@ -15,7 +15,6 @@ adapter_model.safetensors), exactly what users hand to vLLM.
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from model_exec.parallel import TPGroup
-from tests.helpers.tiny_models import make_kv_caches, prefill_inputs
+from tests.helpers.tiny_models import our_prefill_logits
 
 # every projection of a Llama-shaped decoder layer, by HF module name
 LLAMA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,26 +95,12 @@ def our_lora_prefill_logits(
 ) -> list[torch.Tensor] | None:
     """tiny_models.our_prefill_logits with prompt i run under adapter lora_ids[i] (0: the base model): the
     LoRA context of each step is built from the rows as the model runner builds it. None on ranks other than 0."""
-    tp = tp or TPGroup.single()
-    param = next(net.parameters())
-    device, dtype = param.device, param.dtype
-    lens = [len(p) for p in prompts]
-    bounds = [[0] * len(prompts), lens]
-    if first_chunk is not None:
-        assert all(n > first_chunk > 0 for n in lens), "every prompt needs tokens in both steps"
-        bounds.insert(1, [first_chunk] * len(prompts))
-    caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pieces: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for begin, stop in itertools.pairwise(bounds):
-        input_ids, positions, meta, num_blocks = prefill_inputs(prompts, block_size, device, begin, stop)
-        caches = caches or make_kv_caches(config, tp.world_size, num_blocks, block_size, dtype, device)
-        with manager.batch(lora_ids, meta.query_start_loc.tolist()):
-            logits = net.compute_logits(net(input_ids, positions, caches, meta))
-        if logits is None:
-            continue
-        split = [e - b for b, e in zip(begin, stop, strict=True)]
-        for row, part in enumerate(logits.float().cpu().split(split)):
-            pieces[row].append(part)
-    if tp.rank != 0:
-        return None
-    return [torch.cat(p) for p in pieces]
+    return our_prefill_logits(
+        net,
+        config,
+        prompts,
+        tp,
+        block_size,
+        first_chunk,
+        lambda meta: manager.batch(lora_ids, meta.query_start_loc.tolist()),
+    )

@@ -11,11 +11,13 @@ Head counts divide by 2 (Qwen2) or 4 (Llama variants) so the same dirs serve TP 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -252,11 +254,13 @@ def our_prefill_logits(
     tp: TPGroup | None = None,
     block_size: int = 4,
     first_chunk: int | None = None,
+    around_step: Callable[[Any], AbstractContextManager[Any]] | None = None,
 ) -> list[torch.Tensor] | None:
     """Per-prompt logits [len, vocab], batched; None on ranks other than 0.
 
     One prefill step by default; with `first_chunk`, two steps (chunked prefill): the first
-    `first_chunk` tokens of every prompt, then the rest on top of the cached context.
+    `first_chunk` tokens of every prompt, then the rest on top of the cached context. `around_step(meta)`: a
+    context each step's forward runs in (the LoRA tests set the step's adapters so).
     """
     tp = tp or TPGroup.single()
     param = next(net.parameters())
@@ -271,7 +275,8 @@ def our_prefill_logits(
     for begin, stop in itertools.pairwise(bounds):
         input_ids, positions, meta, num_blocks = prefill_inputs(prompts, block_size, device, begin, stop)
         caches = caches or make_kv_caches(config, tp.world_size, num_blocks, block_size, dtype, device)
-        logits = net.compute_logits(net(input_ids, positions, caches, meta))
+        with around_step(meta) if around_step is not None else contextlib.nullcontext():
+            logits = net.compute_logits(net(input_ids, positions, caches, meta))
         if logits is None:
             continue
         split = [e - b for b, e in zip(begin, stop, strict=True)]
