@@ -21,7 +21,6 @@ from raytp.batch import ProcessorConfig, build_processor
 from raytp.batch.replica import CONTROLLER_PREFIX
 from tests.batch.helpers import ENGINE
 from tests.cluster.ray_helpers import ray_session  # noqa: F401  (a fixture: one local Ray per module)
-from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +44,6 @@ def preprocess(row: dict[str, Any]) -> dict[str, Any]:
 
 def postprocess(row: dict[str, Any]) -> dict[str, Any]:
     return {"answer": row["generated_text"], **row}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("model"))
 
 
 def test_the_processor_is_lazy(ray_session: None, tmp_path: Path) -> None:  # noqa: F811

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +23,9 @@ import ray
 from raytp.batch.replica import CONTROLLER_PREFIX
 from raytp.batch.runner import BatchJob, run_batch
 from tests.batch.helpers import BAD_IDS, ENGINE, MODEL_NAME, by_id, engine_config, mixed_rows, read_lines, write_rows
-from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
 def job(tmp: Path, model_dir: str, src: Path, replicas: int = 1, batch_size: int = 4) -> BatchJob:

@@ -7,11 +7,9 @@ CPUs held. Sharing test_run.py's cluster, whose jobs leave theirs, these tests f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from cluster.config import EngineConfig
 from raytp.batch.runner import BatchJob, run_batch
@@ -19,20 +17,6 @@ from tests.batch.helpers import ENGINE, MODEL_NAME, by_id, engine_config, read_l
 from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
 def test_a_file_mixing_two_models_answers_each_row_with_its_own(

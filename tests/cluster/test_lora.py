@@ -22,7 +22,7 @@ from cluster.outputs import RequestDelta
 from cluster.ray_executor import RankFailedError
 from raytp import LLM, LoRAError, LoRARequest, SamplingParams
 from tests.cluster.ray_helpers import ray_session  # noqa: F401 - the fixture
-from tests.helpers.family_parity import ENGINE_KWARGS, ENGINE_PROMPTS
+from tests.helpers.family_parity import ENGINE_KWARGS, ENGINE_PROMPTS, hf_greedy_generate, hf_model
 from tests.helpers.lora_models import hf_merged_model, make_peft_adapter
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -58,22 +58,8 @@ def adapters(model: str, root: Path) -> dict[str, LoRARequest]:
 @functools.lru_cache(maxsize=16)
 @torch.inference_mode()
 def hf_greedy(model: str, adapter_path: str | None, prompt: tuple[int, ...]) -> list[int]:
-    from tests.helpers.family_parity import hf_model
-
     net = hf_merged_model(model, adapter_path) if adapter_path else hf_model(model)
-    inp = torch.tensor([prompt])
-    out = net.generate(
-        inp,
-        attention_mask=torch.ones_like(inp),
-        do_sample=False,
-        max_new_tokens=MAX_NEW,
-        min_new_tokens=MAX_NEW,
-        eos_token_id=None,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
+    out = hf_greedy_generate(net, prompt, MAX_NEW)
     return out[0, len(prompt) :].tolist()
 
 
