@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -51,7 +52,7 @@ from typing import Any, TypeVar
 import ray
 
 from cluster.config import EngineConfig
-from cluster.engine import EngineDeadError, LLMEngine
+from cluster.engine import EngineDeadError, LLMEngine, make_executor
 from cluster.engine_telemetry import EngineTelemetry
 from cluster.outputs import RequestDelta
 from scheduler.lora import LoRAError, LoRARequest
@@ -65,16 +66,22 @@ MAX_CONCURRENT_CALLS = 4096  # each open stream holds one actor call slot for it
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, replica: str | None = None, model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        replica: str | None = None,
+        model_name: str | None = None,
+        group_name: str | None = None,
+    ) -> None:
         """Loads the model (blocking: call it off the event loop). Labels of this engine's metrics:
         `replica` (the Serve replica id; default: this actor's name, else its id) and `model_name`
-        (the name clients use; default: the model's own)."""
+        (the name clients use; default: the model's own). `group_name`: its Ray workers' placement group."""
         if config.distributed_executor_backend is None:
             config = dataclasses.replace(config, distributed_executor_backend="ray")
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
         # health threads, never on the event loop; so Ray's warning about blocking gets in async actors is noise.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, functools.partial(make_executor, group_name=group_name))
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-step")
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}  # request id -> its stream's deltas
         self._loop_task: asyncio.Task[None] | None = None

@@ -92,15 +92,16 @@ def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     return source, model_config
 
 
-def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig) -> Executor:
-    """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for."""
+def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig, group_name: str | None = None) -> Executor:
+    """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for.
+    `group_name`: the Ray executor's placement group name (cluster/ray_executor.py)."""
     if config.distributed_executor_backend == "inprocess":
         from cluster.executor import InProcessExecutor
 
         return InProcessExecutor(config, model_config)
     from cluster.ray_executor import RayExecutor
 
-    return RayExecutor(config, model_config)
+    return RayExecutor(config, model_config, group_name)
 
 
 class LLMEngine:

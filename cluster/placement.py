@@ -13,12 +13,13 @@ looks at the nodes alive now, so an autoscaling cluster must be scaled up first.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 
 Bundle = dict[str, float]
 
@@ -53,6 +54,21 @@ def create_placement_group(bundle: Bundle, count: int, strategy: str, timeout_s:
             f"or raise RAYTP_PLACEMENT_TIMEOUT_S."
         )
     return pg
+
+
+def remove_groups_named(prefix: str) -> list[str]:
+    """Remove every placement group of this namespace whose name starts with `prefix` and that is not removed
+    yet (the actors in it die with it); returns their names. For groups whose creator died without freeing them:
+    a group belongs to the job, so it outlives the actor that made it."""
+    names = sorted(
+        info["name"]
+        for info in ray.util.placement_group_table().values()
+        if info["name"].startswith(prefix) and info["state"] != "REMOVED"
+    )
+    for name in names:
+        with contextlib.suppress(ValueError):  # removed meanwhile
+            remove_placement_group(get_placement_group(name))
+    return names
 
 
 def check_feasible(bundle: Bundle, count: int, strategy: str) -> None:

@@ -61,7 +61,10 @@ class RankFailedError(RuntimeError):
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: ResolvedEngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: ResolvedEngineConfig, model_config: ModelConfig, group_name: str | None = None) -> None:
+        """`group_name`: the workers' placement group's name (default: a fresh `raytp-…`); its rank actors are
+        named after it. A caller that must free the group even if this executor dies unshut names it, since
+        the group belongs to the job, not to the actor that created it."""
         ensure_ray()
         self.world_size = config.tensor_parallel_size
         self.step_timeout_s = env_float("RAYTP_STEP_TIMEOUT_S", 60.0)
@@ -73,7 +76,7 @@ class RayExecutor(Executor):
         self.last_step_bytes = 0  # pickled SchedulerOutput size of the latest step (what each rank receives)
         self._error: RankFailedError | None = None
         self._lock = threading.Lock()
-        self.name = new_group_name()
+        self.name = group_name or new_group_name()
         self.pg: PlacementGroup = create_placement_group(
             worker_bundle(use_gpu, cpus),
             self.world_size,

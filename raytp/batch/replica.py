@@ -7,6 +7,10 @@ HTTP route returns for the same request (ids and timestamps aside). Nothing here
 
 Decision: a row whose engine died (503 engine_unavailable) is returned with `done=False`: the driver
 does not journal it and hands it out again, and this replica starts a fresh controller first.
+
+Each engine's workers sit in a placement group named `group_prefix` + the engine's id. The group belongs to the
+job, not to the controller, and Ray Data retires a replica by dropping it, which kills its controller unshut:
+so the driver frees the pass's groups by that prefix once the pass ends (raytp/batch/runner.py).
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ class BatchReplica:
         served_model_name: str | None = None,
         chat: ChatSettings | None = None,
         loras: Sequence[LoRARequest] = (),
+        group_prefix: str | None = None,
     ) -> None:
-        """`loras`: adapters rows may name as `model` (the engine loads each at its first row)."""
+        """`loras`: adapters rows may name as `model` (the engine loads each at its first row); `group_prefix`:
+        how its engines' placement groups are named (default: `raytp-…`, which the driver cannot free)."""
         from model_exec.source import load_tokenizer, resolve_model
 
         self._config = engine_config
@@ -56,6 +62,7 @@ class BatchReplica:
         self._model_name = served_model_name or source.name
         self._chat = chat if chat is not None else ChatSettings()
         self._loras = list(loras)
+        self._group_prefix = group_prefix
         self._loop = asyncio.new_event_loop()
         self._start_engine()
 
@@ -67,8 +74,11 @@ class BatchReplica:
         # A model that cannot load fails every attempt, and the last error is raised.
         for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
             # Named so operators (and tests) find a batch job's engines in `ray list actors`.
-            name = f"{CONTROLLER_PREFIX}{uuid.uuid4().hex[:12]}"
-            self.controller = EngineController.options(name=name).remote(self._config, model_name=self._model_name)
+            engine_id = uuid.uuid4().hex[:12]
+            group = f"{self._group_prefix}{engine_id}" if self._group_prefix else None
+            self.controller = EngineController.options(name=f"{CONTROLLER_PREFIX}{engine_id}").remote(
+                self._config, model_name=self._model_name, group_name=group
+            )
             try:
                 info = ray.get(self.controller.model_info.remote())
                 break

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,11 +251,14 @@ def _one_pass(
     metrics: BatchMetrics,
 ) -> None:
     """One pass over the rows of `model` (`names`: it and its adapters) not yet journalled, through its own
-    engine replicas."""
+    engine replicas, whose placement groups are freed when it ends (however it ends)."""
     import ray
     from tqdm import tqdm
 
+    from cluster.placement import remove_groups_named
     from raytp.batch.replica import BatchReplica
+
+    group_prefix = f"raytp-batch-{uuid.uuid4().hex[:8]}-"  # this pass's engines' groups, and no one else's
 
     ds = ray.data.read_text(os.path.abspath(job.input_file))
     pending = functools.partial(_pending, done=frozenset(journal.done), names=names, default=job.model_name)
@@ -266,6 +270,7 @@ def _one_pass(
             "served_model_name": model.model_name,
             "chat": job.chat,
             "loras": loras,
+            "group_prefix": group_prefix,
         },
         concurrency=model.num_replicas,
         batch_size=job.batch_size,
@@ -295,3 +300,5 @@ def _one_pass(
             _record(metrics, status)
     finally:
         bar.close()
+        freed = remove_groups_named(group_prefix)
+        logger.debug("pass over %s: freed its engines' placement groups %s", model.model_name, freed)

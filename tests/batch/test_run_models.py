@@ -1,12 +1,13 @@
 """Batch jobs over several models and LoRA adapters, on real Ray with tiny random-weight models.
 
-A Ray of its own (8 logical CPUs). Known leak, not fixed yet: a finished batch pass leaves its engines' worker
-placement groups (1 CPU each here) held until the driver's Ray job ends; measured, a two-model job left 2 of 8
-CPUs held. Sharing test_run.py's cluster, whose jobs leave theirs, these tests found no CPU free.
+A Ray of its own (8 logical CPUs). A finished pass frees its engines' worker placement groups (the groups belong
+to the job, and Ray Data kills a retired replica's controller unshut): before that fix a two-model job left 2 of
+8 CPUs held until the driver exited, and these tests, sharing test_run.py's cluster, found no CPU free.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ def test_a_file_mixing_two_models_answers_each_row_with_its_own(
         MODEL_NAME, show_progress=False, more_models=(BatchModel(engine_config(other_dir), "other"),),
     )  # fmt: skip
     assert run_batch(mixed).status == "completed"
+    assert _reserved_placement_groups() == [], "a finished pass must free its engines' placement groups"
     got = by_id(read_lines(tmp_path / "out.jsonl"))
     assert set(got) == {r["custom_id"] for r in rows}
     only_other = [r for r in rows if r["body"]["model"] == "other"]
@@ -88,3 +90,15 @@ def test_rows_naming_an_adapter_run_with_it(tmp_path: Path, model_dir: str, clus
     got = by_id(read_lines(tmp_path / "out.jsonl"))
     assert {cid: body["choices"][0]["text"] for cid, (_, body) in got.items()} == want
     assert got["sql"][1]["model"] == "sql"
+
+
+def _reserved_placement_groups(wait_s: float = 10.0) -> list[str]:
+    """Names of the placement groups not removed, after giving removals in flight `wait_s` to land."""
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = sorted(g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED")
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)

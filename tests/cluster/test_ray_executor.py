@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.placement import PlacementError
+from cluster.placement import PlacementError, remove_groups_named
 from cluster.ray_executor import RayExecutor
 from raytp import LLM
 from raytp.cli.main import main as cli_main
@@ -123,3 +123,19 @@ def test_cli_generate_with_tensor_parallel_size(models: dict[str, str], capsys: 
     assert rc == 0
     assert '"finish_reason": "length"' in capsys.readouterr().out
     assert_nothing_left(before)  # the CLI shuts the engine down: actors and placement group are gone
+
+
+def test_groups_are_removed_by_name_prefix_and_no_others() -> None:
+    """What a batch driver does after a pass: its engines' groups (one pending, one ready) go, a neighbour's stays."""
+    ours = [ray.util.placement_group([{"CPU": 1}], name="raytp-batch-ab12-e1")]
+    ray.get(ours[0].ready(), timeout=30)
+    ours.append(ray.util.placement_group([{"CPU": 99}], name="raytp-batch-ab12-e2"))  # never fits: pending
+    neighbour = ray.util.placement_group([{"CPU": 1}], name="raytp-batch-cd34-e1")
+    try:
+        assert remove_groups_named("raytp-batch-ab12-") == ["raytp-batch-ab12-e1", "raytp-batch-ab12-e2"]
+        states = {info["name"]: info["state"] for info in ray.util.placement_group_table().values()}
+        assert [states[f"raytp-batch-ab12-e{i}"] for i in (1, 2)] == ["REMOVED", "REMOVED"]
+        assert states["raytp-batch-cd34-e1"] != "REMOVED"
+        assert remove_groups_named("raytp-batch-ab12-") == []
+    finally:
+        ray.util.remove_placement_group(neighbour)
