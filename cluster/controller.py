@@ -81,7 +81,11 @@ class EngineLoop:
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
         # health threads, never on the event loop; so Ray's warning about blocking gets in async actors is noise.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-        self.engine = LLMEngine(config, functools.partial(make_executor, group_name=group_name))
+        # The default factory unless a group is named (tests swap LLMEngine for one bound to a fake executor).
+        factory = (
+            {} if group_name is None else {"executor_factory": functools.partial(make_executor, group_name=group_name)}
+        )
+        self.engine = LLMEngine(config, **factory)
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-step")
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}  # request id -> its stream's deltas
         self._loop_task: asyncio.Task[None] | None = None
