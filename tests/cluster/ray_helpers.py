@@ -11,7 +11,8 @@ import ray
 
 from raytp import LLM, SamplingParams
 
-# Every rank actor is named "<placement group name>-rank<r>", and every group "raytp-<hex>".
+# Every rank actor is named "<placement group name>-rank<r>", and every group "raytp-<hex>" (a batch pass's
+# engines: "raytp-batch-<pass>-<engine>").
 RAYTP_PREFIX = "raytp-"
 
 

@@ -138,4 +138,5 @@ def test_groups_are_removed_by_name_prefix_and_no_others() -> None:
         assert states["raytp-batch-cd34-e1"] != "REMOVED"
         assert remove_groups_named("raytp-batch-ab12-") == []
     finally:
-        ray.util.remove_placement_group(neighbour)
+        for pg in (*ours, neighbour):
+            ray.util.remove_placement_group(pg)
