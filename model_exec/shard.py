@@ -25,6 +25,8 @@ from model_exec.models import build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
 from model_exec.source import ModelSource
+from model_exec.layers.quantization import scope as quantization_scope
+from model_exec.layers.quantization.select import select_quantization
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend
 from scheduler.lora import LoRAError, LoRARequest
@@ -89,6 +91,7 @@ class ModelShard:
         attention_backend: str,
         block_size: int,
         panel_gemm: bool = True,
+        quantization: str | None = None,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
@@ -100,7 +103,8 @@ class ModelShard:
 
         max_num_seqs and max_model_len size the CUDA graphs' buffers (max_model_len: the model's own when
         None); enforce_eager turns the graphs off. enable_lora gives the linear layers LoRA slots (adapters
-        are added later, `add_lora`); without it the model is exactly the base model."""
+        are added later, `add_lora`); without it the model is exactly the base model. quantization:
+        EngineConfig.quantization (`layers.quantization.select`)."""
         self.device = torch_device(device)
         self._mem_at_start: MemorySnapshot | None = None
         if self.device.type == "cuda":
@@ -118,8 +122,11 @@ class ModelShard:
             self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
         torch_dtype = resolve_dtype(dtype, model_config, self.device)
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
-        model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
-        model.load_weights(iter_weights(source))
+        quant = select_quantization(quantization, source.kind, self.device, torch_dtype)
+        self.quantization = "none" if quant is None else quant.name
+        with quantization_scope(quant):
+            model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
+        model.load_weights(iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks()))
         pack_weights(model, panels=panel_gemm)
         self.lora: LoRAManager | None = None
         if enable_lora:
@@ -138,7 +145,9 @@ class ModelShard:
             dtype=torch_dtype,
         )
         self.cache: CacheEngine | None = None
-        logger.info("rank %d loaded %s (%s, %s)", rank, source.name, torch_dtype, self.device)
+        logger.info(
+            "rank %d loaded %s (%s, %s, quantization %s)", rank, source.name, torch_dtype, self.device, self.quantization
+        )
 
     @property
     def bytes_per_block(self) -> int:
