@@ -19,14 +19,14 @@ from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.cuda_graphs import DecodeGraphs, capture_sizes
 from model_exec.kv_sizing import MemorySnapshot, measure_kv_budget, take_snapshot
+from model_exec.layers.quantization import scope as quantization_scope
+from model_exec.layers.quantization.select import select_quantization
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
 from model_exec.source import ModelSource
-from model_exec.layers.quantization import scope as quantization_scope
-from model_exec.layers.quantization.select import select_quantization
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend
 from scheduler.lora import LoRAError, LoRARequest
@@ -126,7 +126,9 @@ class ModelShard:
         self.quantization = "none" if quant is None else quant.name
         with quantization_scope(quant):
             model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
-        model.load_weights(iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks()))
+        weights = iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks())
+        # GGUFTensors stand in for tensors through every loader (layers.quantization.gguf_tensor)
+        model.load_weights(weights)  # type: ignore[arg-type]
         pack_weights(model, panels=panel_gemm)
         self.lora: LoRAManager | None = None
         if enable_lora:
@@ -146,7 +148,12 @@ class ModelShard:
         )
         self.cache: CacheEngine | None = None
         logger.info(
-            "rank %d loaded %s (%s, %s, quantization %s)", rank, source.name, torch_dtype, self.device, self.quantization
+            "rank %d loaded %s (%s, %s, quantization %s)",
+            rank,
+            source.name,
+            torch_dtype,
+            self.device,
+            self.quantization,
         )
 
     @property

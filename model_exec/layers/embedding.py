@@ -46,8 +46,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         elif shared_weight.shape != (self.shard_size, embedding_dim):
             raise ValueError(
-                f"shared weight has shape {tuple(shared_weight.shape)}, "
-                f"expected {(self.shard_size, embedding_dim)}"
+                f"shared weight has shape {tuple(shared_weight.shape)}, expected {(self.shard_size, embedding_dim)}"
             )
         else:
             self.weight = shared_weight  # loaded through its owner
@@ -61,13 +60,14 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:
             raise ValueError(
-                f"embedding checkpoint has {loaded_weight.shape[0]} rows, "
-                f"config says vocab_size={self.num_embeddings}"
+                f"embedding checkpoint has {loaded_weight.shape[0]} rows, config says vocab_size={self.num_embeddings}"
             )
         n = self.num_real_rows
         if isinstance(loaded_weight, GGUFTensor) and self._keep_blocks and kernels_available():
             if loaded_weight.shape[1] != param.shape[1]:
-                raise ValueError(f"embedding checkpoint has shape {tuple(loaded_weight.shape)}, wants {tuple(param.shape)}")
+                raise ValueError(
+                    f"embedding checkpoint has shape {tuple(loaded_weight.shape)}, wants {tuple(param.shape)}"
+                )
             raw = torch.zeros(self.shard_size, loaded_weight.raw.shape[1], dtype=torch.uint8)
             raw[:n].copy_(loaded_weight.raw.narrow(0, self.vocab_start, n))
             self.gguf_weight = (loaded_weight.qtype, raw)
@@ -115,6 +115,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # a tied head multiplies with its embedding's GGUF blocks when it keeps them (set past nn.Module's
         # registry: the embedding is the model's child, not the head's)
         object.__setattr__(self, "_tied_to", tied_to)
+        self._tied_to: VocabParallelEmbedding | None
         # At most one of these is set, by pack_weights(): compute_logits' copy of the weight.
         self.panel_weight: torch.Tensor | None = None  # cpu_gemm.pack_panels layout
         self.packed_weight: torch.Tensor | None = None  # oneDNN's layout

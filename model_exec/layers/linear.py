@@ -26,7 +26,7 @@ test per layer and step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
@@ -64,6 +64,12 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     copy_shard(param.data, loaded_weight)
 
 
+@overload
+def shard_of(full: torch.Tensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor: ...
+@overload
+def shard_of(full: GGUFTensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor | GGUFTensor: ...
+@overload
+def shard_of(full: torch.Tensor | GGUFTensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor | GGUFTensor: ...
 def shard_of(full: torch.Tensor | GGUFTensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor | GGUFTensor:
     """This rank's slice of a full checkpoint tensor split evenly along `dim` (a view, no copy)."""
     if full.shape[dim] != shard_size * tp.world_size:
@@ -102,7 +108,7 @@ class LinearBase(nn.Module):
         self.lora: LoRASlots | None = None  # resident LoRA adapters (model_exec/lora), only with enable_lora
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         raise NotImplementedError
 
@@ -131,10 +137,12 @@ class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if param.shape[0] != loaded_weight.shape[0]:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}")
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}"
+            )
         self._store(param, 0, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +163,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp.world_size), bias, tp, params_dtype)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         self._store(param, 0, shard_of(loaded_weight, 0, param.shape[0], self.tp))
 
@@ -190,7 +198,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp, params_dtype)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if shard_id == FUSED:
             full_sizes = [s * self.tp.world_size for s in self.output_sizes]
@@ -268,7 +276,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         ]
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if shard_id == FUSED:
             ws = self.tp.world_size
@@ -317,13 +325,15 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if param.dim() == 1:  # bias: replicated
             copy_shard(param.data, loaded_weight)
             return
         if param.shape[0] != loaded_weight.shape[0]:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}")
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}"
+            )
         self._store(param, 0, shard_of(loaded_weight, 1, param.shape[1], self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

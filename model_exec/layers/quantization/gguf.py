@@ -27,6 +27,7 @@ from ops.attention import cpu_kernels
 if TYPE_CHECKING:
     from model_exec.layers.linear import LinearBase
 
+
 def kernels_available() -> bool:
     """True when the C++ kernels are built with their AVX2 path (the block kernel's fast path)."""
     return cpu_kernels.load_error() is None and cpu_kernels.vectorized()
@@ -42,18 +43,22 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 class GGUFLinearMethod(QuantizeMethodBase):
+    """One per layer (`GGUFConfig.linear_method` makes a fresh one): it holds the layer's rows."""
+
     name = "gguf"
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, torch.Tensor | GGUFTensor]] = []  # (first row, rows) as loaded
+        self.segments: list[tuple[int, torch.Tensor]] = []  # (GGML type, block rows) after loading
+        self.dense: UnquantizedLinearMethod | None = None  # set when the layer runs as floats
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
     ) -> None:
-        # the parameter only carries the logical shape; the rows live in layer.gguf_parts until loaded
+        # the parameter only carries the logical shape (loaders, LoRA and the loading checks read it)
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
         release(weight)
         layer.weight = weight
-        layer.gguf_parts: list[tuple[int, torch.Tensor | GGUFTensor]] = []  # type: ignore[misc]
-        layer.gguf_segments: list[tuple[int, torch.Tensor]] = []  # type: ignore[misc]  # (qtype, raw rows)
-        layer.gguf_dense: UnquantizedLinearMethod | None = None  # type: ignore[misc]  # set: runs as floats
 
     def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
         if rows.shape[1] != layer.weight.shape[1] or offset + rows.shape[0] > layer.weight.shape[0]:
@@ -61,16 +66,18 @@ class GGUFLinearMethod(QuantizeMethodBase):
                 f"checkpoint shard has shape {tuple(rows.shape)} at row {offset}, parameter wants "
                 f"{tuple(layer.weight.shape)}"
             )
-        if isinstance(rows, GGUFTensor):
-            rows = GGUFTensor(rows.raw.contiguous().clone(), rows.qtype, rows.in_features)  # off the file map
+        if isinstance(rows, GGUFTensor):  # a copy of just the shard: the full tensor is dropped after loading
+            kept: torch.Tensor | GGUFTensor = GGUFTensor(rows.raw.contiguous().clone(), rows.qtype, rows.in_features)
         else:
-            rows = rows.detach().to(torch.float32).clone()
-        layer.gguf_parts = [p for p in layer.gguf_parts if p[0] != offset] + [(offset, rows)]
+            kept = rows.detach().to(torch.float32).clone()
+        self.parts = [p for p in self.parts if p[0] != offset] + [(offset, kept)]
 
     def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
-        if layer.gguf_segments or layer.gguf_dense is not None:
+        if self.segments:
             return True
-        parts = sorted(layer.gguf_parts, key=lambda p: p[0])
+        if self.dense is not None:
+            return self.dense.process_weights_after_loading(layer, panels)
+        parts = sorted(self.parts, key=lambda p: p[0])
         covered = 0
         for offset, rows in parts:
             if offset != covered:
@@ -78,29 +85,29 @@ class GGUFLinearMethod(QuantizeMethodBase):
             covered += rows.shape[0]
         if covered != layer.weight.shape[0]:
             raise ValueError(f"GGUF layer loaded {covered} of its {layer.weight.shape[0]} rows")
-        layer.gguf_parts = []
-        if all(isinstance(rows, GGUFTensor) for _, rows in parts) and kernels_available():
-            segments: list[tuple[int, list[torch.Tensor]]] = []
-            for _, rows in parts:
-                assert isinstance(rows, GGUFTensor)
-                if segments and segments[-1][0] == rows.qtype:
-                    segments[-1][1].append(rows.raw)
+        self.parts = []
+        blocks = [rows for _, rows in parts if isinstance(rows, GGUFTensor)]
+        if len(blocks) == len(parts) and kernels_available():
+            runs: list[tuple[int, list[torch.Tensor]]] = []
+            for b in blocks:
+                if runs and runs[-1][0] == b.qtype:
+                    runs[-1][1].append(b.raw)
                 else:
-                    segments.append((rows.qtype, [rows.raw]))
-            layer.gguf_segments = [(qtype, torch.cat(raws) if len(raws) > 1 else raws[0]) for qtype, raws in segments]
+                    runs.append((b.qtype, [b.raw]))
+            self.segments = [(qtype, torch.cat(raws) if len(raws) > 1 else raws[0]) for qtype, raws in runs]
             return True
         # some rows came as floats: the whole layer runs dequantized
         dense = torch.cat([r.dequantize() if isinstance(r, GGUFTensor) else r for _, r in parts])
         layer.weight.data = dense.to(layer.weight.dtype)
-        layer.gguf_dense = UnquantizedLinearMethod()
-        return layer.gguf_dense.process_weights_after_loading(layer, panels)
+        self.dense = UnquantizedLinearMethod()
+        return self.dense.process_weights_after_loading(layer, panels)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.gguf_dense is not None:
-            return layer.gguf_dense.apply(layer, x, bias)
-        if not layer.gguf_segments:
+        if self.dense is not None:
+            return self.dense.apply(layer, x, bias)
+        if not self.segments:
             raise RuntimeError("a GGUF linear layer ran before its weights were loaded and processed")
-        outs = [gguf_linear(x, raw, qtype) for qtype, raw in layer.gguf_segments]
+        outs = [gguf_linear(x, raw, qtype) for qtype, raw in self.segments]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if bias is None else y.add_(bias)
 

@@ -67,9 +67,10 @@ class GGUFTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The exact float32 values, [rows, K] (the `gguf` package's reference dequantization)."""
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        array = dequantize(self.raw.contiguous().numpy(), self.qtype)
+        array = dequantize(self.raw.contiguous().numpy(), GGMLQuantizationType(self.qtype))
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).view(self.shape)
 
 

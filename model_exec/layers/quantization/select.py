@@ -30,13 +30,16 @@ def select_quantization(
         if source_kind != "gguf":
             raise ValueError("quantization='gguf' needs a GGUF checkpoint")
         if not gguf_runs:
+            where = f"{device.type}, {dtype}"
             raise ValueError(
-                f"quantization='gguf' runs on the CPU in float32 with the AVX2 kernel build; here: {device.type}, {dtype}"
+                f"quantization='gguf' runs on the CPU in float32 with the AVX2 kernel build; here: {where}"
             )
         return GGUFConfig()
     if source_kind != "gguf":
         return None
     if gguf_runs:
         return GGUFConfig()
-    logger.info("GGUF weights load dequantized to %s: block kernels run on the CPU in float32 with the AVX2 build", dtype)
+    logger.info(
+        "GGUF weights load dequantized to %s: block kernels run on the CPU in float32 with the AVX2 build", dtype
+    )
     return None
