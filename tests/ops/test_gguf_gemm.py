@@ -18,6 +18,7 @@ from gguf.quants import quantize  # noqa: E402
 
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available  # noqa: E402
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor, dequantize_rows  # noqa: E402
+from tests.helpers.isa import needs_avx512, rerun_on_avx2  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the C++ kernels' AVX2 build is not available")
 
@@ -91,3 +92,9 @@ def test_bad_inputs_are_refused() -> None:
         torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 96), w.raw, w.qtype)
     with pytest.raises(RuntimeError, match="no kernel"):
         torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 64), w.raw, 12)
+
+
+@needs_avx512
+def test_avx2_code_passes_too() -> None:
+    """The AVX-512 VNNI tiles run above where the CPU has them; this reruns the module on the AVX2 tiles."""
+    rerun_on_avx2(__file__, "test_avx2_code_passes_too")
