@@ -79,24 +79,15 @@ ARCHITECTURES: Mapping[str, Architecture] = {
     # GGUF: llama.cpp writes Mixtral as a `llama` file with experts (model_exec/gguf_metadata.py tells them
     # apart); the MoE files' stacked experts split into per-expert tensors on load
     "MixtralForCausalLM": Architecture(
-        "mixtral",
-        "model_exec.models.mixtral",
-        "MixtralForCausalLM",
-        "llama",
+        "mixtral", "model_exec.models.mixtral", "MixtralForCausalLM", "llama",
         "sparse MoE, top-k renormalised; experts sharded over TP",
     ),
     "Qwen2MoeForCausalLM": Architecture(
-        "qwen2_moe",
-        "model_exec.models.qwen_moe",
-        "Qwen2MoeForCausalLM",
-        "qwen2moe",
+        "qwen2_moe", "model_exec.models.qwen_moe", "Qwen2MoeForCausalLM", "qwen2moe",
         "sparse MoE + sigmoid-gated shared expert; q/k/v biases; mlp_only_layers",
     ),
     "Qwen3MoeForCausalLM": Architecture(
-        "qwen3_moe",
-        "model_exec.models.qwen_moe",
-        "Qwen3MoeForCausalLM",
-        "qwen3moe",
+        "qwen3_moe", "model_exec.models.qwen_moe", "Qwen3MoeForCausalLM", "qwen3moe",
         "sparse MoE (norm_topk_prob); per-head q/k RMSNorm",
     ),
     "Qwen3ForCausalLM": Architecture(

@@ -75,14 +75,18 @@ def copy_blocks(caches: Sequence[KVCache], pairs: Sequence[tuple[int, int]]) -> 
         value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
 
-def swap_blocks(src_caches: Sequence[KVCache], dst_caches: Sequence[KVCache], pairs: Sequence[tuple[int, int]]) -> None:
+def swap_blocks(
+    src_caches: Sequence[KVCache], dst_caches: Sequence[KVCache], pairs: Sequence[tuple[int, int]]
+) -> None:
     """Copy block `src` of `src_caches` to block `dst` of `dst_caches` (typically across devices).
 
     Per layer: gather the source blocks into one contiguous tensor, move it in one transfer,
     scatter it into the destination.
     """
     if len(src_caches) != len(dst_caches):
-        raise ValueError(f"swap_blocks: {len(src_caches)} source layers but {len(dst_caches)} destination layers.")
+        raise ValueError(
+            f"swap_blocks: {len(src_caches)} source layers but {len(dst_caches)} destination layers."
+        )
     if not pairs or not src_caches:
         return
     src, dst = _split_pairs(pairs)

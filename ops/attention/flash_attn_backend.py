@@ -76,7 +76,8 @@ class FlashAttnBackend(AttentionBackend):
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as exc:
             raise ValueError(
-                f"attention_backend='flash_attn' needs the flash-attn package (pip install flash-attn>=2.6): {exc}"
+                "attention_backend='flash_attn' needs the flash-attn package "
+                f"(pip install flash-attn>=2.6): {exc}"
             ) from exc
         if head_dim > 256 or head_dim % 8 != 0:
             raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {head_dim}.")

@@ -100,9 +100,8 @@ class TritonAttentionBackend(AttentionBackend):
         try:
             from ops.attention import triton_kernels
         except ImportError as exc:
-            raise ValueError(
-                f"attention_backend='triton' needs the triton package (pip install triton): {exc}"
-            ) from exc
+            raise ValueError(f"attention_backend='triton' needs the triton package (pip install triton): {exc}") \
+                from exc
         self._kernels: ModuleType = triton_kernels
         self._group = num_heads // num_kv_heads
         self._head_dim_p = _pow2_at_least(head_dim, 16)

@@ -57,20 +57,10 @@ def paged_attention_kernel(
     num_seqs,
     scale,  # softmax scale (natural base)
     soft_cap,  # logits soft cap (used when SOFT_CAP)
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -194,9 +184,7 @@ def reduce_segments_kernel(
     part_acc_ptr,  # [T, Hq, NUM_SEGMENTS, D] fp32, unnormalised
     part_max_ptr,  # [T, Hq, NUM_SEGMENTS] fp32, base-2 running max (-inf: the segment saw no key)
     part_sum_ptr,  # [T, Hq, NUM_SEGMENTS] fp32
-    stride_ot,
-    stride_oh,
-    stride_od,
+    stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
@@ -218,11 +206,8 @@ def reduce_segments_kernel(
     weight = tl.exp2(seg_max - top)  # 0 for empty segments
     total = tl.sum(seg_sum * weight, axis=0)
     out = tl.sum(seg_acc * weight[:, None], axis=0) / total
-    tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_valid,
-    )
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=d_valid)
 
 
 @triton.jit
@@ -232,20 +217,10 @@ def write_kv_kernel(
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     v_cache_ptr,
     slot_mapping_ptr,  # [T] int64: block * BLOCK_SIZE + offset
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_kb,
-    stride_ks,
-    stride_kch,
-    stride_kcd,
-    stride_vb,
-    stride_vs,
-    stride_vch,
-    stride_vcd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kb, stride_ks, stride_kch, stride_kcd,
+    stride_vb, stride_vs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_KV_HEADS_P: tl.constexpr,

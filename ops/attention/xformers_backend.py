@@ -103,7 +103,8 @@ class XFormersBackend(AttentionBackend):
             from xformers.ops import fmha
         except ImportError as exc:
             raise ValueError(
-                f"attention_backend='xformers' needs the xformers package (pip install xformers>=0.0.28): {exc}"
+                "attention_backend='xformers' needs the xformers package "
+                f"(pip install xformers>=0.0.28): {exc}"
             ) from exc
         self._fmha: Any = fmha
         self._group = num_heads // num_kv_heads
@@ -130,5 +131,7 @@ class XFormersBackend(AttentionBackend):
             q = query.reshape(1, num_tokens, hkv, self._group, d)
             k4 = k.view(1, num_keys, hkv, 1, d).expand(1, num_keys, hkv, self._group, d)
             v4 = v.view(1, num_keys, hkv, 1, d).expand(1, num_keys, hkv, self._group, d)
-        out = self._fmha.memory_efficient_attention_forward(q, k4, v4, attn_bias=plan.attn_bias, scale=self.scale)
+        out = self._fmha.memory_efficient_attention_forward(
+            q, k4, v4, attn_bias=plan.attn_bias, scale=self.scale
+        )
         return out.reshape(num_tokens, self.num_heads, d)
