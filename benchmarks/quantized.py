@@ -4,8 +4,9 @@ llama.cpp decoding the same file in the same run (issue 39's table).
     python benchmarks/quantized.py                       # the default Q4_1 model, 2 threads, 5 rounds
     python benchmarks/quantized.py --llamacpp-python /tmp/lcppenv/bin/python   # add llama.cpp's row
 
-Both raytp engines are loaded once, in this process, from the same GGUF file: `quantization="none"` (every
-weight dequantized to fp32, the reference path) and the default (kept in blocks). Each round runs, in turn,
+The raytp engines are loaded once, in this process, from the same GGUF file: `quantization="none"` (every
+weight dequantized to fp32, the reference path), the default (kept in blocks) and `quantization="int8"`
+(the dequantized fp32 weights quantized again at load, Q8_0 blocks). Each round runs, in turn,
 each engine on one request (a 128-token prompt of fixed English text, greedy, 256 new tokens, EOS ignored,
 prefix caching off) and then llama.cpp's anchor (`/work/shared/anchors/llamacpp_anchor.py`, one run, its own
 128-token prompt and 256 greedy tokens) in its own venv; medians over rounds are printed. Prefill = the time
@@ -13,7 +14,7 @@ of a max_tokens=1 request on that prompt; decode ms/token = (time of the 257-tok
 
 Perplexity: the first 1,100 tokens of benchmarks/data/ppl_text.txt (the opening of the GPL-3 text, fixed
 English prose) through `prompt_logprobs` on each raytp engine. RSS: the process's resident memory before
-and after each engine's load (kept-quantized loads second, so its growth is measured on top of the first).
+and after each engine's load (each measured on top of the engines loaded before it).
 """
 
 from __future__ import annotations
@@ -97,7 +98,12 @@ def main() -> None:
     assert src.kind == "gguf", "this benchmark compares a GGUF file's blocks with its dequantized weights"
     engines: dict[str, Any] = {}
     rss: dict[str, tuple[float, float]] = {}
-    for name, quant in (("fp32 (dequantized)", "none"), (f"gguf {Path(src.gguf_path).stem} (blocks)", "gguf")):
+    variants = (
+        ("fp32 (dequantized)", "none"),
+        (f"gguf {Path(src.gguf_path).stem} (blocks)", "gguf"),
+        ("int8 (of the fp32 weights)", "int8"),
+    )
+    for name, quant in variants:
         before = rss_mb()
         engines[name] = LLM(
             model=args.model,

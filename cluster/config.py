@@ -17,8 +17,9 @@ from scheduler.config import PREEMPTION_MODES, PreemptionMode
 _GiB = 1 << 30
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 # weight quantizations (model_exec/layers/quantization): gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on the
-# CPU; none loads every weight as floats (a GGUF dequantized: the reference the block kernels are checked against)
-QUANTIZATIONS = ("gguf", "none")
+# CPU; int8 quantizes a float checkpoint's linear layers at load (CPU); none loads every weight as floats (a GGUF
+# dequantized: the reference the block kernels are checked against)
+QUANTIZATIONS = ("gguf", "int8", "none")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -89,7 +90,8 @@ class EngineConfig:
     quantization: str | None = _opt(
         None,
         "weight quantization: default from the checkpoint (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks on the CPU in "
-        "float32, else loads dequantized); gguf (required: refused where it cannot run); none (float weights)",
+        "float32, else loads dequantized); gguf (required: refused where it cannot run); int8 (weight-only, "
+        "scales per 32 weights computed at load; CPU float32); none (float weights)",
         QUANTIZATIONS,
     )
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT checkpoints) on top of the base model")

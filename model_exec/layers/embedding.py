@@ -7,6 +7,7 @@ the same shape (needed by `gather`) and padded logits are cut off after gatherin
 GGUF blocks (built in a `quantization` scope that keeps them, `GGUFConfig`): a vocabulary matrix of a kernel
 type stays in its blocks (`gguf_weight`, padding rows all-zero bytes, i.e. zero scales): lookups dequantize
 only the rows asked for, and the LM head (tied or not) multiplies with the blocks (`ops/csrc/gguf_gemm.cpp`).
+With `quantization="int8"` the LM head multiplies with a Q8_0 copy made at packing (`quantization.int8`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from model_exec.layers import cpu_gemm, quantization
 from model_exec.layers.linear import copy_shard
 from model_exec.layers.quantization.base import release
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available
-from model_exec.layers.quantization.gguf_tensor import GGUFTensor, dequantize_rows
+from model_exec.layers.quantization.gguf_tensor import BLOCK, Q8_0, GGUFTensor, dequantize_rows
+from model_exec.layers.quantization.int8 import quantize_q8_0
 from model_exec.parallel import TPGroup
 
 
@@ -52,6 +54,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = shared_weight  # loaded through its owner
         config = quantization.current()
         self._keep_blocks = config is not None and config.keeps_gguf_blocks()
+        self._int8 = config is not None and config.name == "int8"  # the LM head quantizes its copy at packing
         # (GGML type, this rank's rows in block layout) when kept in blocks; `weight` then holds no data
         self.gguf_weight: tuple[int, torch.Tensor] | None = None
 
@@ -132,6 +135,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             return True
         if self._tied_to is not None and self._tied_to.gguf_weight is not None:
             self.gguf_weight = self._tied_to.gguf_weight  # the same blocks, no copy
+            return True
+        if self._int8 and self.weight.shape[1] % BLOCK == 0 and kernels_available():
+            # int8: the head's own Q8_0 copy (a tied embedding keeps its floats for lookups, as with panels)
+            self.gguf_weight = (Q8_0, quantize_q8_0(self.weight.data))
+            if not self.tied:
+                release(self.weight)
             return True
         copies = cpu_gemm.pack(self.weight, panels)
         if copies is None:

@@ -8,6 +8,7 @@ import torch
 
 from model_exec.layers.quantization.base import QuantizationConfig
 from model_exec.layers.quantization.gguf import GGUFConfig, kernels_available
+from model_exec.layers.quantization.int8 import Int8Config
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +21,19 @@ def select_quantization(
     `setting` is EngineConfig.quantization: None decides from the checkpoint (a GGUF keeps its blocks on the
     CPU in float32 when the block kernels are built, else loads dequantized, with a log line saying why);
     "none" loads floats; "gguf" insists, and is refused by name where it cannot run (never a silent float
-    fallback)."""
+    fallback); "int8" quantizes a float checkpoint's linear layers at load (the same refusal)."""
     if setting == "none":
         return None
-    if setting not in (None, "gguf"):
-        raise ValueError(f"quantization {setting!r} is not supported; supported: gguf, none")
+    if setting not in (None, "gguf", "int8"):
+        raise ValueError(f"quantization {setting!r} is not supported; supported: gguf, int8, none")
     gguf_runs = device.type == "cpu" and dtype == torch.float32 and kernels_available()
+    if setting == "int8":
+        if not gguf_runs:
+            where = f"{device.type}, {dtype}"
+            raise ValueError(
+                f"quantization='int8' runs on the CPU in float32 with the AVX2 kernel build; here: {where}"
+            )
+        return Int8Config()
     if setting == "gguf":
         if source_kind != "gguf":
             raise ValueError("quantization='gguf' needs a GGUF checkpoint")
