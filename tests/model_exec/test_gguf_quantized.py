@@ -4,7 +4,7 @@
   follow the same weights dequantized to float32 (the reference path) within the int8 activations' rounding;
 - tensor parallelism (simulated ranks, TP 2) gives the TP 1 logits up to the all-reduce's float order:
   row-parallel cuts fall on block boundaries, so every rank multiplies its own blocks;
-- a layer fed a type without a kernel (F16 here) runs dequantized, its blocks-kept siblings do not;
+- a layer fed a type without a kernel (Q5_0 here) runs dequantized, its blocks-kept siblings do not;
 - `quantization=` is honoured or refused by name.
 """
 
@@ -108,15 +108,15 @@ def test_tensor_parallel_equals_tp1(tmp_path: Path) -> None:
 
 
 def test_a_type_without_kernel_runs_dequantized(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = _gguf(tmp_path, {"attn_v": T.F16, "attn": T.Q4_1, "ffn": T.Q8_0})
+    path = _gguf(tmp_path, {"attn_v": T.Q5_0, "attn": T.Q4_1, "ffn": T.Q8_0})
     with caplog.at_level(logging.INFO, logger="model_exec.weights"):
         kept, config = _load(path, keep=True)
     layer0 = kept.model.layers[0]  # type: ignore[union-attr]
     qkv = layer0.self_attn.qkv_proj.quant_method
-    assert qkv.dense is not None and not qkv.segments  # v came as floats: the fused layer runs as floats
+    assert qkv.dense is not None and not qkv.segments  # v came as floats: the layer runs as floats
     assert layer0.self_attn.o_proj.quant_method.segments  # its sibling keeps its blocks
     assert layer0.mlp.gate_up_proj.quant_method.segments
-    assert any("F16 x" in r.getMessage() for r in caplog.records)
+    assert any("Q5_0 x" in r.getMessage() for r in caplog.records)
     reference, _ = _load(path, keep=False)
     ours, ref = (our_prefill_logits(n, config, PREFILL_PROMPTS) for n in (kept, reference))
     assert ours is not None and ref is not None
