@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `a/b/c.py`-like words in backticks; the first component decides whether it is a repository path.
 _PATH = re.compile(r"`([A-Za-z0-9_.\-]+(?:/[A-Za-z0-9_.\-]+)+/?)`")
+# A path that climbs out of the checkout (`../shared/x.md`) exists on a developer's machine and in no user's
+# clone: a fresh clone's CI once failed on one, so such a path is refused outright, whether it exists here or not.
+_OUTSIDE = re.compile(r"`((?:\./)*\.\./[^`\s]*)`")
 _LINK = re.compile(r"\]\(([^)#\s]+)\)")
 
 
@@ -26,6 +29,10 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one() -> None:
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_named_files_exist(doc: Path) -> None:
     text = doc.read_text()
+    outside = sorted({p for p in _OUTSIDE.findall(text) if not (ROOT / p).resolve().is_relative_to(ROOT)})
+    local_links = [t for t in _LINK.findall(text) if not t.startswith(("http://", "https://"))]
+    outside += sorted(t for t in local_links if not (doc.parent / t).resolve().is_relative_to(ROOT))
+    assert not outside, f"{doc.name} names paths outside the repository: {outside}"
     # Only words whose first component is a top-level entry of the checkout (so `text/plain` is no path).
     paths = {p for p in _PATH.findall(text) if (ROOT / p.split("/")[0]).exists()}
     missing = sorted(p for p in paths if not (ROOT / p).exists())
