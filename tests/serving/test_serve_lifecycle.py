@@ -19,7 +19,7 @@ from pathlib import Path
 
 import requests
 
-from raytp.cli.port_guard import listening_inodes
+from raytp.serve.port_guard import listening_inodes
 from tests.helpers.ports import free_port
 from tests.helpers.serve_cli import SMALL, ServeProcess, raytp_serve, wait_gone
 from tests.helpers.tiny_models import make_tiny_llama
