@@ -53,3 +53,11 @@ def test_readme_models_table_is_the_registrys(tmp_path: Path) -> None:
     stale.write_text(f"# x\n\n{BEGIN}\n| old |\n{END}\n\n## next\n")
     assert update(stale) and readme_table(stale.read_text()) == table() and stale.read_text().endswith("\n## next\n")
     assert not update(stale)
+
+
+def test_every_benchmark_script_is_documented() -> None:
+    """Each script in benchmarks/ is named in docs/benchmarks.md; shared helpers live in benchmarks/common/."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    undocumented = [s for s in scripts if not re.search(rf"benchmarks[./]{s}\b", text)]
+    assert not undocumented, f"benchmarks/ scripts that docs/benchmarks.md does not name: {undocumented}"
