@@ -10,7 +10,7 @@ from the spec.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -101,13 +101,11 @@ _GEMMA2 = DecoderSpec(
     final_soft_cap_key="final_logit_softcapping",
     refused=_GEMMA_REFUSED,
 )
-_GEMMA3 = DecoderSpec(
-    gemma_norm=True,
-    sandwich_norms=True,
-    embed_scale=True,
+# Gemma 3: Gemma 2 with q/k norms and rope per layer type, without attention soft-capping
+_GEMMA3 = replace(
+    _GEMMA2,
     qk_norm=True,
-    attn_scale_key="query_pre_attn_scalar",
-    final_soft_cap_key="final_logit_softcapping",
+    attn_soft_cap_key=None,
     local_rope_theta_key="rope_local_base_freq",
     refused=(
         *_GEMMA_REFUSED,

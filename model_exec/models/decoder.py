@@ -43,6 +43,10 @@ from model_exec.parallel import TPGroup
 from ops.attention.base import AttentionBackend, AttentionMetadata
 
 
+def norm_class(spec: DecoderSpec) -> type[RMSNorm]:
+    return GemmaRMSNorm if spec.gemma_norm else RMSNorm
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with HF's `hidden_act`; `reduce_results=False` leaves the all-reduce to
     the caller (a shared expert summed into the routed experts' partial sums first)."""
@@ -73,14 +77,13 @@ class Attention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        spec: DecoderSpec,
         options: DecoderOptions,
         tp: TPGroup,
         attn_backend: type[AttentionBackend],
         layer: int,
     ) -> None:
         super().__init__()
-        dtype = config.torch_dtype
+        spec, dtype = options.spec, config.torch_dtype
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.head_dim,
@@ -99,7 +102,7 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if spec.qk_norm:
-            norm = GemmaRMSNorm if spec.gemma_norm else RMSNorm
+            norm = norm_class(spec)
             self.q_norm = norm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = norm(config.head_dim, config.rms_norm_eps, dtype)
         self.attn = attn_backend(
@@ -143,7 +146,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        norm = GemmaRMSNorm if spec.gemma_norm else RMSNorm
+        norm = norm_class(spec)
         size, eps, dtype = config.hidden_size, config.rms_norm_eps, config.torch_dtype
         self.input_layernorm = norm(size, eps, dtype)
         # the checkpoint's names: with sandwich norms post_attention_layernorm norms the attention output and
@@ -198,13 +201,12 @@ class DecoderModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        spec: DecoderSpec,
         options: DecoderOptions,
         tp: TPGroup,
         attn_backend: type[AttentionBackend],
     ) -> None:
         super().__init__()
-        dtype = config.torch_dtype
+        spec, dtype = options.spec, config.torch_dtype
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         # HF Gemma: torch.tensor(sqrt(hidden)).to(weight dtype), so in bfloat16 sqrt(3072) = 55.43 becomes 55.5
         self.embed_scale: torch.Tensor | None
@@ -225,9 +227,9 @@ class DecoderModel(nn.Module):
                     tp,
                     dtype,
                 )
-            layers.append(DecoderLayer(config, Attention(config, spec, options, tp, attn_backend, i), mlp, spec))
+            layers.append(DecoderLayer(config, Attention(config, options, tp, attn_backend, i), mlp, spec))
         self.layers = nn.ModuleList(layers)
-        self.norm = (GemmaRMSNorm if spec.gemma_norm else RMSNorm)(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = norm_class(spec)(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
         self,
@@ -269,11 +271,9 @@ class CausalDecoder(ExpertCheckpointLoader):
         # the checkpoint's names: q/k/v and gate/up stacked into one parameter each, unless stored fused
         fused = self.spec.fused_checkpoint_modules
         self.packed_modules_mapping = {k: v for k, v in STACKED_QKV_GATE_UP.items() if k not in fused}
-        self.packed_shard_ids = {
-            k: v for k, v in STACKED_QKV_GATE_UP_SHARD_IDS.items() if k not in fused
-        }
+        self.packed_shard_ids = {k: v for k, v in STACKED_QKV_GATE_UP_SHARD_IDS.items() if k not in fused}
         self.fused_checkpoint_modules = fused
-        self.model = DecoderModel(config, self.spec, self.options, tp, attn_backend)
+        self.model = DecoderModel(config, self.options, tp, attn_backend)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.torch_dtype, tied)
 

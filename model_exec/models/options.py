@@ -37,8 +37,9 @@ def _optional_positive(hf: Mapping[str, Any], name: str) -> float | None:
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """The per-checkpoint values of a spec's fields."""
+    """A spec and the per-checkpoint values of its fields."""
 
+    spec: DecoderSpec
     attn_scale: float  # the attention's softmax scale
     attn_soft_cap: float | None
     final_soft_cap: float | None
@@ -56,6 +57,7 @@ class DecoderOptions:
                 raise ValueError(f"config.json: {spec.attn_scale_key} is required for {config.architecture}")
             scale = scalar**-0.5
         return cls(
+            spec=spec,
             attn_scale=scale,
             attn_soft_cap=_optional_positive(hf, spec.attn_soft_cap_key) if spec.attn_soft_cap_key else None,
             final_soft_cap=_optional_positive(hf, spec.final_soft_cap_key) if spec.final_soft_cap_key else None,

@@ -90,7 +90,7 @@ def test_transformers4_config_json_reads_as_hf_defaults_it(gemma2_dir: str, tmp_
     assert old_config.layer_windows == (8, None, 8, None) and old_config.tie_word_embeddings
     spec = ARCHITECTURES["Gemma2ForCausalLM"].decoder
     parsed = DecoderOptions.parse(old_config, spec)
-    assert parsed == DecoderOptions.parse(new_config, spec) == DecoderOptions(24**-0.5, 5.0, 30.0)
+    assert parsed == DecoderOptions.parse(new_config, spec) == DecoderOptions(spec, 24**-0.5, 5.0, 30.0)
     for bad in (
         {"query_pre_attn_scalar": None},
         {"final_logit_softcapping": -1.0},
