@@ -167,6 +167,9 @@ def _serve() -> None:
                 raise RequestError(
                     f"{spec.field}: the {spec.kind} constraint cannot be compiled: {matcher.get_error()}", spec.field
                 )
+            if matcher.is_stopped() and not matcher.is_accepting():
+                # e.g. `start: x` / `x: x x`: no terminal, no string; a sample could only fail at its first token
+                raise RequestError(f"{spec.field}: the {spec.kind} constraint matches no text at all.", spec.field)
             _write(out, {"grammar": grammar})
         except (RequestError, ValueError, TypeError) as e:
             _write(out, {"error": str(e)})

@@ -232,6 +232,11 @@ class StructuredOutputManager:
     def compile_worker_pid(self) -> int | None:
         return self._worker.pid if self._worker is not None else None
 
+    @property
+    def compile_worker_restarts(self) -> int:
+        """Compile workers replaced after a crash or a timeout (each one a spec refused with a 400)."""
+        return self._worker.restarts if self._worker is not None else 0
+
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:  # only the compile thread builds it
             import llguidance
