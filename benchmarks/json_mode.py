@@ -63,6 +63,7 @@ def one(base_url: str, model: str, prompt: str, seed: int, fmt: str, max_tokens:
         "valid": valid,
         "cut": choice["finish_reason"] == "length",
         "tokens": data["usage"]["completion_tokens"],
+        "prompt_tokens": data["usage"]["prompt_tokens"],
         "text": text,
     }
 
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["raytp", "vllm"], default=None, help="start one server only")
     ap.add_argument("--raytp-arg", action="append", default=[], help="extra `raytp serve` argument (repeatable)")
     ap.add_argument("--log-dir", default="/tmp/raytp_json_mode")
+    ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to start")
     ap.add_argument("--json", default=None, help="write every answer here")
     args = ap.parse_args()
 
@@ -117,7 +119,8 @@ def main() -> None:
     answers: dict[str, Any] = {}
     try:
         for srv in servers.values():
-            print(f"{srv.name} ready after {srv.wait_ready():.0f} s (log: {logs / srv.name}.log)", flush=True)
+            ready = srv.wait_ready(args.ready_timeout)
+            print(f"{srv.name} ready after {ready:.0f} s (log: {logs / srv.name}.log)", flush=True)
             srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
         for fmt in formats:
             for name, srv in servers.items():

@@ -53,7 +53,17 @@ def refused(**kw: Any) -> RequestError:
         ({"type": "string", "pattern": "a" * (limits.MAX_REGEX_CHARS + 1)}, "8192"),
         ({"type": "object", "description": "x" * limits.MAX_SPEC_BYTES}, "bytes"),
     ],
-    ids=["ref-chain-5000", "nested-refs", "deep-100k", "ref-cycle", "root-cycle", "enum", "optional", "pattern", "size"],
+    ids=[
+        "ref-chain-5000",
+        "nested-refs",
+        "deep-100k",
+        "ref-cycle",
+        "root-cycle",
+        "enum",
+        "optional",
+        "pattern",
+        "size",
+    ],
 )
 def test_hostile_schemas_are_refused_with_the_bound(schema: dict[str, Any], words: str) -> None:
     assert words in refused(json=schema).message
@@ -67,7 +77,9 @@ def test_other_kinds_have_their_bounds() -> None:
 
 
 def test_legal_schemas_pass() -> None:
-    tree = {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}}}
+    tree = {
+        "$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}}
+    }
     Spec(json={**tree, "$ref": "#/$defs/n"})  # recursion through structure is a grammar rule, not a cycle
     Spec(json=ref_chain(100))
     Spec(json=ref_chain(30, nested=True))

@@ -1,9 +1,9 @@
 """Hostile structured-output and tool specs against a live server (issue 36): deep, wide, recursive, cyclic
 `$ref`, huge enums and regexes, a grammar that crashes llguidance's native code, shapes of the wrong type.
 
-For each: a 4xx JSON error naming the field (its time printed: 2 s is the target), a greedy stream running beside it gets every token,
-the process that hosts the engine is the same one afterwards (no replica restart), and every device KV block
-is free again (no leak). One server for the module (embedded SmolLM2).
+For each: a 4xx JSON error naming the field (its time printed: 2 s is the target), a greedy stream
+running beside it gets every token, the process that hosts the engine is the same one afterwards (no
+replica restart), and every device KV block is free again (no leak). One server for the module (embedded SmolLM2).
 """
 
 from __future__ import annotations
