@@ -11,6 +11,7 @@ child, so its matchers stay in-process and torch-free (masks never cross a proce
 
 Protocol (stdin/stdout of the child, each message a 4-byte big-endian length and UTF-8 JSON):
     parent -> child   {"tokenizer": str, "n_vocab": int, "eos": [int]}    once, first
+    child -> parent   {"ready": true}                                    once its tokenizer is built
     parent -> child   {"spec": {StructuredOutputsParams fields}}
     child -> parent   {"grammar": str} | {"error": str}
 The child runs `python -m cluster.grammar_worker` and imports neither torch nor ray (~0.5 s to start,
@@ -36,10 +37,13 @@ from scheduler.structured_outputs import StructuredOutputsParams
 # A compile the child has not answered in this long is killed and refused: llguidance's parser limits
 # bound a compile to well under a second on a sane spec (docs/openai_contract.md, limits).
 COMPILE_TIMEOUT_S = 10.0
+# A new child's start (interpreter, llguidance, its tokenizer: ~1 s idle) is not charged to the first spec:
+# on a loaded machine it took 10 s, and a spec must not be refused for the machine's load.
+STARTUP_TIMEOUT_S = 120.0
 
 
 def _write(out: IO[bytes], msg: dict[str, Any]) -> None:
-    data = json.dumps(msg).encode()
+    data = json.dumps(msg, default=list).encode()  # tuples (a choice) as lists, as the spec's key writes them
     out.write(len(data).to_bytes(4, "big") + data)
     out.flush()
 
@@ -80,6 +84,7 @@ class GrammarCompileWorker:
         self.timeout_s = timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
+        self._ready = False
         self.restarts = 0  # children replaced after a crash or a timeout
 
     @property
@@ -102,6 +107,7 @@ class GrammarCompileWorker:
             )
             assert self._proc.stdin is not None
             _write(self._proc.stdin, self._init)
+            self._ready = False  # until the child says its tokenizer is built
         return self._proc
 
     def compile(self, spec: StructuredOutputsParams) -> str:
@@ -111,6 +117,9 @@ class GrammarCompileWorker:
             proc = self._ensure()
             assert proc.stdin is not None and proc.stdout is not None
             try:
+                if not self._ready:
+                    _read(proc.stdout.fileno(), time.monotonic() + STARTUP_TIMEOUT_S)
+                    self._ready = True
                 _write(proc.stdin, {"spec": spec_fields(spec)})
                 reply = _read(proc.stdout.fileno(), time.monotonic() + self.timeout_s)
             except (BrokenPipeError, EOFError, TimeoutError) as e:
@@ -154,6 +163,7 @@ def _serve() -> None:
     os.dup2(2, 1)  # anything printed goes to stderr, never into the protocol
     init = _read(fd)
     tokenizer = llguidance.LLTokenizer(init["tokenizer"], n_vocab=init["n_vocab"], eos_token=init["eos"])
+    _write(out, {"ready": True})
     while True:
         try:
             msg = _read(fd)
