@@ -9,6 +9,7 @@ replica restart), and every device KV block is free again (no leak). One server 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -37,6 +38,11 @@ def nested(n: int) -> dict[str, Any]:
     return s
 
 
+def nested_text(n: int) -> str:
+    """nested(n) as JSON text, written without json.dumps (which recurses: the client would fail first)."""
+    return '{"type":"object","properties":{"a":' * n + '{"type":"string"}' + "}}" * n
+
+
 def chain_grammar(rules: int) -> str:
     """36 KB of Lark, within every bound: llguidance segfaults building its matcher (caught in the worker)."""
     return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(rules)) + f'r{rules}: "x"\n'
@@ -47,11 +53,13 @@ def json_schema(schema: Any) -> dict[str, Any]:
 
 
 TAG = {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}
-CASES: dict[str, tuple[dict[str, Any], str]] = {
+# (the request's constraint fields, as a dict or as the JSON text of an object; the field the 400 names)
+CASES: dict[str, tuple[dict[str, Any] | str, str]] = {
     "ref-chain-5000": (json_schema(ref_chain(5000)), "response_format"),  # killed the replica before
     "nested-120": (json_schema(nested(120)), "response_format"),
+    # JSON text: 1,040 levels, past what Python's json module encodes or decodes (a 500 before issue 36)
     "deep-no-additional": (
-        {"structured_outputs": {"json": nested(520), "disable_additional_properties": True}},
+        '{"structured_outputs":{"disable_additional_properties":true,"json":' + nested_text(520) + "}}",
         "structured_outputs",
     ),
     "wide-5000-optional": (
@@ -100,7 +108,7 @@ def engine_pid(server: LiveServer) -> int:
     return pid
 
 
-def hostile_beside_a_stream(server: LiveServer, body: dict[str, Any]) -> tuple[requests.Response, float, int]:
+def hostile_beside_a_stream(server: LiveServer, body: dict[str, Any] | str) -> tuple[requests.Response, float, int]:
     """(the hostile request's response, its seconds, the stream's completion tokens), both in flight at once."""
 
     async def run() -> tuple[requests.Response, float, int]:
@@ -123,8 +131,10 @@ def hostile_beside_a_stream(server: LiveServer, body: dict[str, Any]) -> tuple[r
 
         def hostile() -> tuple[requests.Response, float]:
             t0 = time.perf_counter()
-            payload = {"model": MODEL, "messages": ASK, "max_tokens": 8, **body}
-            resp = requests.post(server.url("/v1/chat/completions"), json=payload, timeout=60)
+            head = {"model": MODEL, "messages": ASK, "max_tokens": 8}
+            text = json.dumps({**head, **body}) if isinstance(body, dict) else json.dumps(head)[:-1] + "," + body[1:]
+            url = server.url("/v1/chat/completions")
+            resp = requests.post(url, data=text, headers={"Content-Type": "application/json"}, timeout=60)
             return resp, time.perf_counter() - t0
 
         consumed = asyncio.create_task(consume())
