@@ -27,7 +27,6 @@ from model_exec.parallel import TPGroup, init_tp_group
 from model_exec.source import ModelSource
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend
-from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -223,21 +222,6 @@ class ModelShard:
                 torch.cuda.synchronize()
             else:
                 self.runner.attach_decode_graphs(graphs)
-
-    def add_lora(self, lora: LoRARequest) -> None:
-        """Load an adapter's shard on this rank (replacing one with its id); LoRAError, rank unchanged, if not."""
-        self._lora_manager(lora.lora_name).add(lora)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.lora.remove(lora_int_id) if self.lora is not None else False
-
-    def list_loras(self) -> list[int]:
-        return self.lora.lora_ids() if self.lora is not None else []
-
-    def _lora_manager(self, lora_name: str) -> LoRAManager:
-        if self.lora is None:
-            raise LoRAError(f"LoRA adapter {lora_name!r}: this engine was started without enable_lora.")
-        return self.lora
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""

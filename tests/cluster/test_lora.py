@@ -126,10 +126,10 @@ def test_tp2_ray_workers(model: str, adapters: dict[str, LoRARequest], ray_sessi
         check_parity_and_mixing(llm, model, adapters)
         check_bad_adapters_leave_the_engine_serving(llm, model, adapters)
         assert llm.remove_lora(1) is True
-        assert llm.llm_engine.executor.list_loras() == [2]  # every rank dropped it
+        assert llm.llm_engine.executor.collective_rpc("list_loras") == [[2], [2]]  # every rank dropped it
         # a rank that died is an engine failure, not the adapter's
         ray.kill(llm.llm_engine.executor.workers[1], no_restart=True)
-        with pytest.raises(RankFailedError, match=r"rank 1 of 2 .*load of LoRA adapter 'sql'"):
+        with pytest.raises(RankFailedError, match=r"rank 1 of 2 .*add_lora call"):
             llm.add_lora(adapters["sql"])
         assert llm.llm_engine.dead is not None
     finally:
