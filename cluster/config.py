@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model_exec.generation_config import check_generation_config_setting
-from ops.attention.names import ATTENTION_BACKENDS
-from scheduler.config import PREEMPTION_MODES, PreemptionMode
+from model_exec.shard_config import ShardConfig
+from ops.attention.registry import ATTENTION_BACKENDS
+from ops.dtypes import DTYPE_NAMES
+from scheduler.config import PREEMPTION_MODES, PreemptionMode, SchedulerConfig, check_scheduler_fields
 
 _GiB = 1 << 30
-_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+_DTYPES = ("auto", *DTYPE_NAMES)
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -102,8 +104,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        check_scheduler_fields(  # the scheduler's own rules, once; the lengths may still be None here
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+            max_loras=self.max_loras,
+        )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.swap_space < 0:
@@ -120,8 +128,6 @@ class EngineConfig:
             raise ValueError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; got {self.placement_strategy!r}."
             )
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
@@ -139,7 +145,11 @@ class ResolvedEngineConfig(EngineConfig):
     run with it. None of these fields is None or `auto` (each must be given: no defaults)."""
 
     device: Literal["cpu", "cuda"] = field()
+    dtype: str = field()  # canonical (ops.dtypes), never `auto`
     distributed_executor_backend: Literal["ray", "inprocess"] = field()  # decided: never None
     max_model_len: int = field()
     max_num_batched_tokens: int = field()
     block_size: int = field()
+    # What the ranks and the scheduler run with, taken from the fields above once, passed whole.
+    shard: ShardConfig = field()
+    scheduler: SchedulerConfig = field()

@@ -1,8 +1,9 @@
-"""Which device the model will run on, decided once where the engine is built (before any worker starts).
+"""The automatic choices, made once where the engine is built (before any worker starts).
 
-`resolve_config` turns `device="auto"` into "cpu" or "cuda" here, so the defaults that depend on it
-(the KV block size), the resources the Ray executor reserves and the device each worker loads onto
-all follow one answer.
+`resolve_config` turns `device="auto"` into "cpu" or "cuda", `dtype="auto"` into a dtype name, and the
+attention backend into its candidates with a block size that suits them, all here, from the backend table
+(ops/attention/registry.py); so the resources the Ray executor reserves, the device and dtype each worker
+loads with and the backend it runs follow one answer.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from typing import Literal
 
 from cluster.config import EngineConfig
-from ops.attention import FLASH_ATTN_BLOCK_MULTIPLE, flash_attn_error
+from ops.attention import package_error
+from ops.attention.registry import BACKENDS, auto_candidates, auto_rows, static_reason
+from ops.dtypes import HALF_DTYPES, canonical_dtype
 
 # KV block size (tokens) when `block_size` is not given. CPU: vLLM's CPU backend default; a decode
 # row then reads each block's K (and V) as one 96 KB run (SmolLM2-135M) instead of 12 KB ones, and the
@@ -46,18 +49,47 @@ def resolve_device(config: EngineConfig) -> Literal["cpu", "cuda"]:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
-def default_block_size(device: Literal["cpu", "cuda"], attention_backend: str = "auto", dtype: str = "auto") -> int:
-    """The KV block size when none is given, chosen with the attention backend it must suit.
-
-    CUDA: flash-attn's smallest block size where `flash_attn` is asked for, or where `auto` will pick
-    it (the package imports and the dtype is half precision, as `dtype="auto"` always is on CUDA); else 16, with
-    which `auto` picks triton (any block size). Under Ray this runs on the driver: if its flash-attn
-    differs from the workers', the workers' `auto` still finds a backend that pages that size in place
-    (flash_attn or triton at 256, triton at 16)."""
+def resolve_dtype(dtype: str, device: Literal["cpu", "cuda"], checkpoint_dtype: str) -> str:
+    """The canonical dtype the ranks compute in: as given, else float32 on the CPU (half-precision GEMMs are
+    slow there and the reference, HF in fp32, is exact), else the checkpoint's half type, else bfloat16."""
+    if dtype != "auto":
+        return canonical_dtype(dtype)
     if device == "cpu":
-        return CPU_BLOCK_SIZE
-    if attention_backend == "flash_attn":
-        return FLASH_ATTN_BLOCK_MULTIPLE
-    if attention_backend == "auto" and dtype not in ("float32", "float") and flash_attn_error() is None:
-        return FLASH_ATTN_BLOCK_MULTIPLE
-    return CUDA_BLOCK_SIZE
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in HALF_DTYPES else "bfloat16"
+
+
+def default_block_size(device: Literal["cpu", "cuda"], attention_backend: str = "auto", dtype: str = "auto") -> int:
+    """The KV block size when none is given, chosen with the attention backend it must suit: the device's
+    default, raised to the block-size multiple of the backend named, or for `auto` of the first candidate
+    whose package imports here (flash-attn's 256 on CUDA in half precision, as `dtype="auto"` always is on
+    CUDA, where it imports; else 16, with which `auto` picks triton, any block size). Under Ray this runs
+    on the driver: if its packages differ from the workers', the workers' `auto` still finds a candidate
+    that pages that size in place (flash_attn or triton at 256, triton at 16)."""
+    base = CPU_BLOCK_SIZE if device == "cpu" else CUDA_BLOCK_SIZE
+    if attention_backend != "auto":
+        return max(base, BACKENDS[attention_backend].block_multiple)
+    name = None if dtype == "auto" else canonical_dtype(dtype)
+    if device == "cuda" and name is None:
+        name = HALF_DTYPES[0]  # what `auto` resolves to on CUDA: a half type (which one does not matter here)
+    for row in auto_rows(device):
+        # The first candidate that can run this dtype at its own block multiple and whose package imports here.
+        fits = static_reason(row, device, name, row.block_multiple, strict=False) is None
+        if fits and (row.block_multiple == 1 or package_error(row.name) is None):
+            return max(base, row.block_multiple)
+    return base
+
+
+def resolve_attention(
+    name: str, device: Literal["cpu", "cuda"], dtype: str, block_size: int
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the backends a rank may run, in order of preference; why `auto` passed over the others). A named
+    backend that its row refuses for this device, dtype or block size is refused here, before any worker
+    starts (ValueError naming it and why); whether it imports is the rank's question."""
+    if name == "auto":
+        candidates, passed_over = auto_candidates(device, dtype, block_size)
+        return candidates, tuple(passed_over)
+    reason = static_reason(BACKENDS[name], device, dtype, block_size)
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} cannot be used: {reason}.")
+    return (name,), ()

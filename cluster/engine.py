@@ -20,7 +20,13 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any, cast
 
 from cluster.config import EngineConfig, ResolvedEngineConfig
-from cluster.device import default_block_size, resolve_device, resolve_executor_backend
+from cluster.device import (
+    default_block_size,
+    resolve_attention,
+    resolve_device,
+    resolve_dtype,
+    resolve_executor_backend,
+)
 from cluster.executor import Executor
 from cluster.lora_registry import LoRARegistry
 from cluster.output_processor import OutputProcessor
@@ -29,6 +35,7 @@ from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig
 from model_exec.generation_config import sampling_defaults
+from model_exec.shard_config import ShardConfig
 from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestError
@@ -58,7 +65,9 @@ class EngineDeadError(RuntimeError):
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
-    """Decide the knobs whose defaults depend on the model or the device."""
+    """Decide the knobs whose defaults depend on the model or the device, once: the device, the dtype, the
+    block size and the attention backend's candidates (from the backend table, cluster/device.py), the lengths;
+    and from them the two configs passed whole to the ranks (`shard`) and to the scheduler (`scheduler`)."""
     max_model_len = model_config.max_context_len
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
@@ -71,17 +80,46 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
     if budget is None:
         budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
     device = resolve_device(config)
+    dtype = resolve_dtype(config.dtype, device, model_config.dtype)
     block_size = config.block_size
     if block_size is None:
-        block_size = default_block_size(device, config.attention_backend, config.dtype)
+        block_size = default_block_size(device, config.attention_backend, dtype)
+    backends, passed_over = resolve_attention(config.attention_backend, device, dtype, block_size)
+    shard = ShardConfig(
+        device=device,
+        dtype=dtype,
+        attention_backend=config.attention_backend,
+        attention_candidates=backends,
+        attention_passed_over=passed_over,
+        block_size=block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        enforce_eager=config.enforce_eager,
+        panel_gemm=config.cpu_panel_gemm,
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+    )
+    scheduler = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        preemption_mode=config.preemption_mode,
+        max_loras=config.max_loras,
+    )
     given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
     resolved = {
         "device": device,
+        "dtype": dtype,
         "distributed_executor_backend": resolve_executor_backend(config),
         "max_model_len": max_model_len,
         "max_num_batched_tokens": budget,
+        "block_size": block_size,
+        "shard": shard,
+        "scheduler": scheduler,
     }
-    return ResolvedEngineConfig(**{**given, **resolved, "block_size": block_size})
+    return ResolvedEngineConfig(**{**given, **resolved})
 
 
 def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
@@ -135,18 +173,7 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_model_len=self.config.max_model_len,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                enable_chunked_prefill=self.config.enable_chunked_prefill,
-                preemption_mode=self.config.preemption_mode,
-                max_loras=self.config.max_loras,
-            ),
-            self.block_manager,
-            self.model_config.eos_token_ids,
-        )
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.model_config.eos_token_ids)
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len,

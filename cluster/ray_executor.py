@@ -23,7 +23,6 @@ CPU its torch threads; a `raytp serve` that starts its own Ray sets it to the ma
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import pickle
 import threading
@@ -94,7 +93,6 @@ class RayExecutor(Executor):
 
     def _start(self, config: ResolvedEngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
         actor_cls = ray.remote(concurrency_groups={_CONTROL: 1})(Worker)  # type: ignore[call-overload]
-        rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
         for rank in range(self.world_size):
             self.workers.append(
                 actor_cls.options(
@@ -105,7 +103,7 @@ class RayExecutor(Executor):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),
-                ).remote(rank_config, model_config, rank, self.world_size, max(1, int(cpus)))
+                ).remote(config, model_config, rank, self.world_size, max(1, int(cpus)))
             )
         load_timeout = env_float("RAYTP_LOAD_TIMEOUT_S", 1800.0)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], load_timeout, "start")

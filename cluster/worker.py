@@ -84,24 +84,14 @@ class Worker:
             torch.set_num_threads(self.num_threads)
         from model_exec.shard import ModelShard
 
-        cfg = self.config
+        # Passed whole: the engine decided every field once (cluster/engine.py resolve_config).
         self.shard = ModelShard(
-            resolve_model(cfg.model, cfg.revision),
+            resolve_model(self.config.model, self.config.revision),
             self.model_config,
+            self.config.shard,
             rank=self.rank,
             world_size=self.world_size,
             dist_init_method=dist_init_method,
-            device=cfg.device,  # the engine's answer: `auto` was resolved before this worker started
-            dtype=cfg.dtype,
-            attention_backend=cfg.attention_backend,
-            block_size=cfg.block_size,
-            panel_gemm=cfg.cpu_panel_gemm,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            enable_lora=cfg.enable_lora,
-            max_loras=cfg.max_loras,
-            max_lora_rank=cfg.max_lora_rank,
         )
 
     def determine_num_blocks(self) -> tuple[int, int]:
