@@ -104,14 +104,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        check_scheduler_fields(  # the scheduler's own rules, once; the lengths may still be None here
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            preemption_mode=self.preemption_mode,
-            max_loras=self.max_loras,
-        )
+        check_scheduler_fields(self)  # the scheduler's own rules; the two lengths may still be None here
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.swap_space < 0:

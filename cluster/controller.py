@@ -48,13 +48,14 @@ import os
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import ray
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError, LLMEngine, LoRAOp, make_executor
 from cluster.engine_telemetry import EngineTelemetry
+from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
 from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import SchedulerOutput
@@ -273,45 +274,42 @@ class EngineLoop:
         if self._closed:
             raise EngineDeadError("the controller is shut down")
 
-    async def get_stats(self) -> dict[str, Any]:
+    async def get_stats(self) -> LoopStats:
         sched, bm = self.engine.scheduler, self.engine.block_manager
-        queries = bm.prefix_cache_queries
-        return {
-            "num_requests": len(self._queues),
-            "num_waiting": len(sched.waiting),
-            "num_running": len(sched.running),
-            "num_swapped": len(sched.swapped),
-            "num_free_device_blocks": bm.num_free_device_blocks,
-            "num_device_blocks": bm.num_device_blocks,
-            "num_free_cpu_blocks": bm.num_free_cpu_blocks,
-            "num_cpu_blocks": bm.num_cpu_blocks,
-            "kv_usage": bm.usage(),
-            "num_preemptions": sched.num_preemptions_recompute + sched.num_preemptions_swap,
-            "num_preemptions_recompute": sched.num_preemptions_recompute,
-            "num_preemptions_swap": sched.num_preemptions_swap,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
-            "prompt_tokens_total": sched.num_prompt_tokens,
-            "generation_tokens_total": sched.num_generation_tokens,  # every token the engine sampled
-            "healthy": self.engine.dead is None and not self._closed,
-        }
+        return LoopStats(
+            num_requests=len(self._queues),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
+            num_free_device_blocks=bm.num_free_device_blocks,
+            num_device_blocks=bm.num_device_blocks,
+            num_free_cpu_blocks=bm.num_free_cpu_blocks,
+            num_cpu_blocks=bm.num_cpu_blocks,
+            kv_usage=bm.usage(),
+            num_preemptions_recompute=sched.num_preemptions_recompute,
+            num_preemptions_swap=sched.num_preemptions_swap,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prompt_tokens_total=sched.num_prompt_tokens,
+            generation_tokens_total=sched.num_generation_tokens,
+            healthy=self.engine.dead is None and not self._closed,
+        )
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> ModelInfo:
         cfg, mc = self.engine.config, self.engine.model_config
-        return {
-            "model": self.engine.model_name,
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": mc.vocab_size,
-            "eos_token_ids": list(mc.eos_token_ids),
-            "generation_defaults": dict(self.engine.generation_defaults),
-            "block_size": cfg.block_size,
-            "num_device_blocks": self.engine.block_manager.num_device_blocks,
-            "tensor_parallel_size": cfg.tensor_parallel_size,
-            "enable_lora": cfg.enable_lora,
-            "max_loras": cfg.max_loras,
-            "max_lora_rank": cfg.max_lora_rank,
-        }
+        return ModelInfo(
+            model=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=list(mc.eos_token_ids),
+            generation_defaults=dict(self.engine.generation_defaults),
+            block_size=cfg.block_size,
+            num_device_blocks=self.engine.block_manager.num_device_blocks,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_lora=cfg.enable_lora,
+            max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank,
+        )
 
     async def shutdown(self) -> None:
         """End every open stream (finish_reason "abort"), stop stepping, free the workers and their PG."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 PreemptionMode = Literal["auto", "recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = ("auto", "recompute", "swap")
@@ -23,27 +23,33 @@ class SchedulerConfig:
     max_loras: int = 1
 
     def __post_init__(self) -> None:
-        check_scheduler_fields(
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            preemption_mode=self.preemption_mode,
-            max_loras=self.max_loras,
-        )
+        check_scheduler_fields(self)
 
 
-def check_scheduler_fields(
-    *,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    max_num_batched_tokens: int | None,
-    enable_chunked_prefill: bool,
-    preemption_mode: str,
-    max_loras: int,
-) -> None:
+class SchedulerFields(Protocol):
+    """The scheduler's fields as a config holds them: SchedulerConfig, or the engine's config, where the two
+    lengths are None until the model decides them."""
+
+    @property
+    def max_model_len(self) -> int | None: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int | None: ...
+    @property
+    def enable_chunked_prefill(self) -> bool: ...
+    @property
+    def preemption_mode(self) -> str: ...
+    @property
+    def max_loras(self) -> int: ...
+
+
+def check_scheduler_fields(config: SchedulerFields) -> None:
     """The one set of rules for the scheduler's fields (ValueError naming the field). The engine's config runs
     it too, when the user's config is built, with None for the two lengths it decides later (from the model)."""
+    max_model_len, max_num_batched_tokens = config.max_model_len, config.max_num_batched_tokens
+    max_num_seqs, max_loras, preemption_mode = config.max_num_seqs, config.max_loras, config.preemption_mode
+    enable_chunked_prefill = config.enable_chunked_prefill
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
     if max_num_seqs < 1:

@@ -61,7 +61,7 @@ def all_blocks_free_after(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def _blocks_all_free(controller: Any) -> bool:
     stats = ray.get(controller.get_stats.remote())
-    return stats["num_free_device_blocks"] == stats["num_device_blocks"] and stats["num_requests"] == 0
+    return stats.num_free_device_blocks == stats.num_device_blocks and stats.num_requests == 0
 
 
 def _stream(controller: Any, request_id: str, prompt: list[int], params: SamplingParams) -> Any:
@@ -122,7 +122,7 @@ def test_cancelling_the_stream_aborts_the_request(controller: Any) -> None:
     async def run() -> None:
         gen = _stream(controller, "to-cancel", tiny_prompts(2)[1], greedy(400))
         await (await gen.__anext__())  # running: it holds blocks now
-        assert ray.get(controller.get_stats.remote())["num_running"] == 1
+        assert ray.get(controller.get_stats.remote()).num_running == 1
         ray.cancel(gen)
 
     asyncio.run(run())
@@ -163,8 +163,8 @@ def test_duplicate_request_id_is_refused(controller: Any) -> None:
 
 def test_model_info_and_stats(controller: Any) -> None:
     info = ray.get(controller.model_info.remote())
-    assert info["vocab_size"] == 320 and info["max_model_len"] == 512 and info["eos_token_ids"] == [2]
-    assert info["block_size"] == 4 and info["tensor_parallel_size"] == 2 and info["num_device_blocks"] > 0
+    assert info.vocab_size == 320 and info.max_model_len == 512 and info.eos_token_ids == [2]
+    assert info.block_size == 4 and info.tensor_parallel_size == 2 and info.num_device_blocks > 0
     asyncio.run(_collect(_stream(controller, "for-stats", [5, 6, 7], greedy(3))))
     stats = ray.get(controller.get_stats.remote())
     for key in (
@@ -179,5 +179,5 @@ def test_model_info_and_stats(controller: Any) -> None:
         "generation_tokens_total",
     ):
         assert key in stats, key  # fmt: skip
-    assert stats["prompt_tokens_total"] >= 3 and stats["generation_tokens_total"] >= 3
+    assert stats.prompt_tokens_total >= 3 and stats.generation_tokens_total >= 3
     ray.get(controller.check_health.remote())  # healthy: returns

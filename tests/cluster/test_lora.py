@@ -153,7 +153,7 @@ async def _stream(controller: Any, rid: str, prompt: list[int], lora: LoRAReques
 def test_engine_controller_actor(controller: Any, model: str, adapters: dict[str, LoRARequest]) -> None:
     async def scenario() -> None:
         info = await controller.model_info.remote()
-        assert (info["enable_lora"], info["max_loras"], info["max_lora_rank"]) == (True, 2, 16)
+        assert (info.enable_lora, info.max_loras, info.max_lora_rank) == (True, 2, 16)
         with pytest.raises(LoRAError, match="rank 32 is over max_lora_rank") as err:
             await controller.add_lora.remote(adapters["big"])
         assert getattr(err.value, "cause", err.value).code == "lora_rank_exceeded"  # its fields crossed Ray
@@ -168,6 +168,6 @@ def test_engine_controller_actor(controller: Any, model: str, adapters: dict[str
         assert await controller.remove_lora.remote(1) is True
         assert await _stream(controller, "base", prompt, None) == expected(model, None, prompt)
         stats = await controller.get_stats.remote()
-        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        assert stats.num_free_device_blocks == stats.num_device_blocks
 
     asyncio.run(scenario())

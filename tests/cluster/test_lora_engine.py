@@ -281,7 +281,7 @@ def test_engine_loop_loads_on_its_step_thread(
 
     async def scenario() -> None:
         info = await loop.model_info()
-        assert (info["enable_lora"], info["max_loras"], info["max_lora_rank"]) == (True, 2, 16)
+        assert (info.enable_lora, info.max_loras, info.max_lora_rank) == (True, 2, 16)
         with pytest.raises(LoRAError, match="rank 32 is over max_lora_rank"):
             await loop.add_lora(adapters["big"])
         with pytest.raises(LoRAError, match="'missing'"):
@@ -311,7 +311,7 @@ def test_engine_loop_loads_on_its_step_thread(
         assert await loop.add_lora(adapters["chat"]) is False  # waited for the load in flight
         assert list(ex.loaded) == [1, 2] and [a.lora_int_id for a in await loop.list_loras()] == [1, 2]
         stats = await loop.get_stats()
-        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        assert stats.num_free_device_blocks == stats.num_device_blocks
         await loop.shutdown()
 
     asyncio.run(scenario())
