@@ -293,6 +293,9 @@ class EngineLoop:
             prompt_tokens_total=sched.num_prompt_tokens,
             generation_tokens_total=sched.num_generation_tokens,
             healthy=self.engine.dead is None and not self._closed,
+            pid=os.getpid(),
+            grammar_worker_pid=self.engine.structured.compile_worker_pid,
+            grammar_worker_restarts=self.engine.structured.compile_worker_restarts,
         )
 
     async def model_info(self) -> ModelInfo:

@@ -138,6 +138,7 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
         max_model_len=max_model_len,
         enforce_eager=config.enforce_eager,
         panel_gemm=config.cpu_panel_gemm,
+        quantization=config.quantization,
         enable_lora=config.enable_lora,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,

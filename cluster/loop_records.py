@@ -46,6 +46,9 @@ class LoopStats:
     prompt_tokens_total: int
     generation_tokens_total: int  # every token the engine sampled
     healthy: bool  # no worker failed and the loop is not shut down
+    pid: int  # the process that hosts the engine (a replica that restarted has a new one)
+    grammar_worker_pid: int | None  # the structured-output compile worker's process (cluster/structured_output.py)
+    grammar_worker_restarts: int
 
     @property
     def num_preemptions(self) -> int:

@@ -19,6 +19,8 @@ from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.cuda_graphs import DecodeGraphs, capture_sizes
 from model_exec.kv_sizing import MemorySnapshot, measure_kv_budget, take_snapshot
+from model_exec.layers.quantization import scope as quantization_scope
+from model_exec.layers.quantization.select import select_quantization
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
@@ -70,8 +72,9 @@ class ModelShard:
         dist_init_method: str | None = None,
     ) -> None:
         """Join the TP group, build this rank's shard on its device and stream its weights in, as `config` (decided
-        once by the engine, cluster/engine.py `resolve_config`) says. With enable_lora the linear layers get LoRA
-        slots (adapters are added later, `Worker.add_lora`); without it the model is exactly the base model."""
+        once by the engine, cluster/device.py `resolve_config`) says. With enable_lora the linear layers get LoRA
+        slots (adapters are added later, `Worker.add_lora`); without it the model is exactly the base model.
+        config.quantization: EngineConfig.quantization (`layers.quantization.select`)."""
         self.config = config
         device, block_size = config.device, config.block_size
         self.device = torch_device(device)
@@ -94,8 +97,13 @@ class ModelShard:
             attn_backend = pick_backend(config.attention_candidates, self.device, config.attention_passed_over)
         else:
             attn_backend = get_attn_backend(config.attention_backend, self.device, dtype, block_size)
-        model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
-        model.load_weights(iter_weights(source))
+        quant = select_quantization(config.quantization, source.kind, self.device, dtype)
+        self.quantization = "none" if quant is None else quant.name
+        with quantization_scope(quant):
+            model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
+        weights = iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks())
+        # GGUFTensors stand in for tensors through every loader (layers.quantization.gguf_tensor)
+        model.load_weights(weights)  # type: ignore[arg-type]
         pack_weights(model, panels=config.panel_gemm)
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -112,7 +120,14 @@ class ModelShard:
             dtype=dtype,
         )
         self.cache: CacheEngine | None = None
-        logger.info("rank %d loaded %s (%s, %s)", rank, source.name, dtype, self.device)
+        logger.info(
+            "rank %d loaded %s (%s, %s, quantization %s)",
+            rank,
+            source.name,
+            dtype,
+            self.device,
+            self.quantization,
+        )
 
     @property
     def bytes_per_block(self) -> int:

@@ -28,6 +28,7 @@ class ShardConfig:
     max_model_len: int  # sizes the CUDA graphs' block tables
     enforce_eager: bool = False  # CUDA: no decode graphs
     panel_gemm: bool = True  # CPU fp32: linear layers on the panel-packed GEMM
+    quantization: str | None = None  # EngineConfig.quantization (model_exec/layers/quantization `select`)
     enable_lora: bool = False  # give the linear layers LoRA slots (adapters come later, Worker.add_lora)
     max_loras: int = 1
     max_lora_rank: int = 16
