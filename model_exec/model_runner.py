@@ -32,7 +32,7 @@ from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.sampler import Sampler, SamplingMetadata
 from ops.attention.base import AttentionMetadata
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
+from scheduler.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 
 # The profile step's sampler pass: the heaviest per-row work the sampler does (penalties count tokens over
@@ -107,6 +107,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.seqs: dict[int, _SeqState] = {}
+        # Rank 0: the token it last sampled for each sequence. Under the asynchronous step the scheduler sends a
+        # placeholder for it (scheduler.outputs.PLACEHOLDER_TOKEN) before it has seen the sample: this fills it.
+        self.last_sampled: dict[int, int] = {}
         self._pinned = device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None  # set by attach_decode_graphs (CUDA, after the KV pool)
 
@@ -120,7 +123,9 @@ class ModelRunner:
     def _apply_deltas(self, so: SchedulerOutput) -> list[_Row]:
         for seq_id in so.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            self.last_sampled.pop(seq_id, None)
         rows: list[_Row] = []
+        placeheld: list[tuple[int, _SeqState]] = []
         for new in so.new_seqs:
             state = _SeqState(
                 prompt_token_ids=new.token_ids[: new.num_prompt_tokens],
@@ -136,13 +141,29 @@ class ModelRunner:
         for cached in so.cached_seqs:
             state = self.seqs[cached.seq_id]
             state.output_token_ids.extend(cached.new_token_ids)
+            if cached.new_token_ids and cached.new_token_ids[-1] == PLACEHOLDER_TOKEN:
+                placeheld.append((cached.seq_id, state))
             del state.block_ids[cached.num_kept_blocks :]
             state.block_ids.extend(cached.new_block_ids)
             rows.append(_Row(cached.seq_id, state, cached.num_computed_tokens, cached.num_scheduled_tokens))
+        if placeheld:
+            self._fill_placeholders(placeheld)
         # Attention backends take decode rows (one new token) first; within each kind rows of one adapter sit
         # together, so each adapter's tokens form at most two contiguous ranges (LoRA slices, never gathers).
         rows.sort(key=lambda r: (r.num_scheduled != 1, r.state.lora_id))
         return rows
+
+    def _fill_placeholders(self, placeheld: list[tuple[int, _SeqState]]) -> None:
+        """Put the tokens rank 0 sampled last step in place of the scheduler's placeholders, on every rank
+        (only rank 0 samples: the others receive them in one broadcast; every rank sees the same list)."""
+        tokens = torch.tensor(
+            [self.last_sampled.pop(seq_id) if self.tp.rank == 0 else 0 for seq_id, _ in placeheld], dtype=torch.long
+        )
+        if self.tp.world_size > 1:  # NCCL broadcasts device tensors only
+            tokens = self.tp.broadcast(tokens.to(self.device))
+        filled = tokens.tolist()
+        for (_, state), token in zip(placeheld, filled, strict=True):
+            state.output_token_ids[-1] = token
 
     # ------------------------------------------------------------------ inputs
     def _host_inputs(self, rows: list[_Row]) -> _HostStep:
@@ -251,6 +272,7 @@ class ModelRunner:
             samples = self._sample([rows[i] for i in sample_rows], logits[: len(sample_rows)], so)
             for i, sample in zip(sample_rows, samples, strict=True):
                 out.samples[rows[i].seq_id] = sample
+                self.last_sampled[rows[i].seq_id] = sample.token_ids[0]
         for i, offset, count in plp_spans:
             r = rows[i]
             targets = [r.state.token_at(p + 1) for p in range(r.num_computed, r.num_computed + count)]
