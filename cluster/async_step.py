@@ -73,6 +73,7 @@ class StepPipeline:
         """One pipeline step; yields each future it must wait for (the caller waits, blocking or awaiting)
         and returns the deltas of the step it applied, if any."""
         deltas: list[RequestDelta] = []
+        self.last_resolved = None
         current = self.in_flight
         if current is not None and not current.plan_past:
             yield current.future
@@ -98,6 +99,9 @@ class StepPipeline:
                 concurrent.futures.wait([next(gen)])
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except Exception as e:
+            self.engine.fail(e)  # every request in flight ends with the error; the caller sees it raised
+            raise
 
     def wait_idle(self) -> None:
         """Block until no step runs on the workers (its result is kept for the next step to apply): other
@@ -124,9 +128,8 @@ class StepPipeline:
         engine = self.engine
         try:
             result = step.future.result()
-        except Exception as e:
-            self.in_flight = None
-            engine.fail(e)  # every request in flight ends with the error; the caller sees it raised
+        except Exception:
+            self.in_flight = None  # the caller fails the engine: every request in flight ends with the error
             raise
         self.last_resolved = step.so
         groups = engine.scheduler.apply_result(step.items, result)
