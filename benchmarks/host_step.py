@@ -61,7 +61,9 @@ def measure(model: str | None, rows: int, steps: int) -> tuple[float, float]:
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i in range(rows):
-        engine.add_request(f"r{i}", {"prompt_token_ids": [(i * 31 + j * 7) % (vocab - 200) + 100 for j in range(16)]}, params)
+        engine.add_request(
+            f"r{i}", {"prompt_token_ids": [(i * 31 + j * 7) % (vocab - 200) + 100 for j in range(16)]}, params
+        )
     walls: list[float] = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -91,7 +93,9 @@ def main() -> None:
     for rows in args.rows:
         wall = statistics.median(w for w, _ in res[rows])
         worker = statistics.median(w for _, w in res[rows])
-        print(f"{rows:4d} decode rows: {1000 * wall:6.2f} ms host per step, of which the worker {1000 * worker:5.2f} ms")
+        print(
+            f"{rows:4d} decode rows: {1000 * wall:6.2f} ms host per step, of which the worker {1000 * worker:5.2f} ms"
+        )
 
 
 if __name__ == "__main__":

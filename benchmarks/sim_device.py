@@ -172,5 +172,6 @@ def main() -> None:
             f"/ (host + device) = {wall / (host + busy):.2f}; / max(host, device) = {wall / max(host, busy):.2f}"
         )
 
+
 if __name__ == "__main__":
     main()

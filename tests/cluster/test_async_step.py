@@ -88,7 +88,9 @@ def test_greedy_variants(model: str, variant: str) -> None:
         kwargs: dict[str, Any] = dict(block_size=4, enable_prefix_caching=True)
     else:
         prompts, kwargs = token_prompts(), VARIANTS[variant]
-    sync, asyn, llm = run_both(model, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), **kwargs)
+    sync, asyn, llm = run_both(
+        model, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), **kwargs
+    )
     assert asyn == sync
     sched = llm.llm_engine.scheduler
     if variant in ("recompute", "swap"):  # the async engine was driven into the same kind of preemption
@@ -98,8 +100,15 @@ def test_greedy_variants(model: str, variant: str) -> None:
 def test_seeded_sampling_logprobs_and_penalties(model: str) -> None:
     params = [
         SamplingParams(
-            temperature=0.9, top_p=0.9, top_k=40, seed=i, max_tokens=24, logprobs=3, presence_penalty=0.5,
-            repetition_penalty=1.2, ignore_eos=True,
+            temperature=0.9,
+            top_p=0.9,
+            top_k=40,
+            seed=i,
+            max_tokens=24,
+            logprobs=3,
+            presence_penalty=0.5,
+            repetition_penalty=1.2,
+            ignore_eos=True,
         )
         for i in range(8)
     ]
@@ -111,7 +120,9 @@ def test_eos_stop_tokens_and_max_tokens(model: str) -> None:
     """Sequences end at different steps (eos, a stop token, max_tokens 1..9): each is known one step late
     under the asynchronous step and its extra token never shows."""
     probe = LLM(model, **BASE)
-    greedy = probe.generate(token_prompts(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    greedy = probe.generate(
+        token_prompts(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     probe.llm_engine.shutdown()
     params = []
     for i, out in enumerate(greedy):
@@ -129,13 +140,19 @@ def test_eos_stop_tokens_and_max_tokens(model: str) -> None:
 
 def test_stop_strings(model: str) -> None:
     probe = LLM(model, **BASE)
-    greedy = probe.generate(token_prompts(), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    greedy = probe.generate(
+        token_prompts(), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
     probe.llm_engine.shutdown()
     params = []
     for i, out in enumerate(greedy):
         text = out.outputs[0].text
         stop = text[4 + i : 6 + i] or "zz"
-        params.append(SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=i % 2 == 0))
+        params.append(
+            SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=i % 2 == 0
+            )
+        )
     sync, asyn, _ = run_both(model, token_prompts(), params)
     assert asyn == sync
     assert any(c[6] is not None for _, _, comps in sync for c in comps), "no stop string fired"
@@ -154,7 +171,11 @@ def test_n_best_of_and_prompt_logprobs(model: str) -> None:
 
 
 def test_structured_outputs(model: str) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+    }
     spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=spec if i % 2 else None)
@@ -179,6 +200,28 @@ def test_lora(model: str, tmp_path: Path) -> None:
     assert outs[1] == outs[0]
 
 
+def run_aborting(engine: Any, abort_at: int) -> dict[str, tuple[list[int], str | None]]:
+    """Step the engine to the end, aborting r1 once it has shown `abort_at` tokens; each request's final tokens
+    and finish reason."""
+    shown: dict[str, list[int]] = {}
+    final: dict[str, tuple[list[int], str | None]] = {}
+
+    def take(deltas: list[Any]) -> None:
+        for delta in deltas:
+            got = shown.setdefault(delta.request_id, [])
+            for sample in delta.samples:
+                got.extend(sample.token_ids)
+                if sample.finish_reason is not None:
+                    final[delta.request_id] = (got, sample.finish_reason)
+            if delta.request_id == "r1" and len(got) >= abort_at and not delta.finished:
+                engine.abort_request("r1")
+
+    while engine.has_unfinished_requests():
+        take(engine.step())
+        take(engine.collect_finished())
+    return final
+
+
 def test_abort_mid_stream(model: str) -> None:
     """Abort a request once it has shown 5 tokens, by hand-stepping the engine: the final output holds those
     5 (the in-flight sample is dropped), the other requests are untouched, and nothing leaks."""
@@ -189,24 +232,8 @@ def test_abort_mid_stream(model: str) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         for i, p in enumerate(tiny_prompts(4)):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-        shown: dict[str, list[int]] = {}
-        final: dict[str, tuple[list[int], str | None]] = {}
-
-        def take(deltas: list[Any]) -> None:
-            for delta in deltas:
-                got = shown.setdefault(delta.request_id, [])
-                for sample in delta.samples:
-                    got.extend(sample.token_ids)
-                    if sample.finish_reason is not None:
-                        final[delta.request_id] = (got, sample.finish_reason)
-                if delta.request_id == "r1" and len(got) >= 5 and not delta.finished:
-                    engine.abort_request("r1")
-
-        while engine.has_unfinished_requests():
-            take(engine.step())
-            take(engine.collect_finished())
+        results.append(run_aborting(engine, 5))
         check_no_leaks(llm)
         engine.shutdown()
-        results.append(final)
     assert results[1] == results[0]
-    assert results[0]["r1"][1] == "abort"
+    assert results[0]["r1"][1] == "abort" and len(results[0]["r1"][0]) == 5

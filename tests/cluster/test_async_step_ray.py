@@ -61,7 +61,10 @@ def test_tp2_offline_async_equals_sync(model: str) -> None:
 def test_tp2_serving_loop_async_equals_offline_sync(model: str) -> None:
     prompts = tiny_prompts()
     offline = LLM(model, **SMALL)
-    expected = [o.outputs[0].token_ids for o in offline.generate([{"prompt_token_ids": p} for p in prompts], mixed_params(), use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in offline.generate([{"prompt_token_ids": p} for p in prompts], mixed_params(), use_tqdm=False)
+    ]
     offline.llm_engine.shutdown()
     handle = EngineController.remote(EngineConfig(model=model, tensor_parallel_size=2, async_scheduling=True, **SMALL))
     try:
@@ -73,7 +76,9 @@ def test_tp2_serving_loop_async_equals_offline_sync(model: str) -> None:
                 assert deltas[-1].finished
                 return [t for d in deltas for s in d.samples for t in s.token_ids]
 
-            return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(zip(prompts, mixed_params()))))
+            return await asyncio.gather(
+                *(one(i, p, s) for i, (p, s) in enumerate(zip(prompts, mixed_params(), strict=True)))
+            )
 
         assert asyncio.run(run()) == expected
         stats = ray.get(handle.get_stats.remote())
