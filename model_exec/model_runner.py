@@ -7,7 +7,8 @@ a collective); only rank 0 samples and answers.
 
 Input preparation is vectorised over the batch: positions, slot mapping and block
 tables are computed with tensor ops from per-row (computed, scheduled) counts; the
-only per-row Python work is slicing each row's new token ids.
+only per-row Python work is slicing each row's new token ids and padding its block list
+(one tensor is built from all of them).
 
 With LoRA (`lora`, a LoRAManager) each sequence keeps its adapter id; the rows are ordered by adapter within
 the decodes and within the prefills, and the step's token groups per adapter are built once and set on the
@@ -186,10 +187,12 @@ class ModelRunner:
         positions = (
             torch.arange(num_tokens, dtype=torch.int32) - query_start_loc[:-1][row_of_token] + computed[row_of_token]
         ).long()
+        # One tensor from the padded lists: a tensor per row cost ~40 us each (256 rows, 40 blocks: 11 -> 0.9 ms,
+        # 2 shared cores); pad entries are never read (a row reads the blocks its seq_len covers).
         max_blocks = max(len(r.state.block_ids) for r in rows)
-        block_tables = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            block_tables[i, : len(r.state.block_ids)] = torch.tensor(r.state.block_ids, dtype=torch.int32)
+        block_tables = torch.tensor(
+            [r.state.block_ids + [0] * (max_blocks - len(r.state.block_ids)) for r in rows], dtype=torch.int32
+        )
         block_of_token = block_tables[row_of_token, positions // self.block_size].long()
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
         return _HostStep(
