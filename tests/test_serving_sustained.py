@@ -8,7 +8,7 @@ import random
 import pytest
 
 from benchmarks import serving
-from benchmarks.serving_load import Result, service_ratio, sustained
+from benchmarks.common.serving_load import Result, service_ratio, sustained
 
 
 def _fifo_server(rate: float, service_rate: float, base_latency: float, seconds: float = 60.0) -> list[Result]:
