@@ -99,6 +99,11 @@ class EngineConfig:
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT checkpoints) on top of the base model")
     max_loras: int = _opt(1, "with enable_lora: most distinct adapters in one step's batch")
     max_lora_rank: int = _opt(16, "with enable_lora: the highest adapter rank accepted")
+    async_scheduling: bool = _opt(
+        False,
+        "schedule each step while the previous one runs (vLLM's flag): sampled ids stay on the workers, output "
+        "processing lags one step, outputs are unchanged (cluster/async_step.py)",
+    )
     disable_log_stats: bool = _opt(False, "record no engine metrics (vLLM's flag; Ray Serve's own series remain)")
 
     def __post_init__(self) -> None:
