@@ -1,4 +1,4 @@
-"""benchmarks/serving_load.sustained: the judgement behind `serving.py --find-max-rate`, on synthetic servers."""
+"""benchmarks/common/serving_load.py `sustained`: what `serving.py --find-max-rate` judges by, on synthetic servers."""
 
 from __future__ import annotations
 
