@@ -179,7 +179,7 @@ def _serve() -> None:
                     f"{spec.field}: the {spec.kind} constraint cannot be compiled: {matcher.get_error()}", spec.field
                 )
             # The first mask, here too: a grammar whose language is empty (`start: x` / `x: x x`, no terminal)
-            # allows no token at all, and a sample would fail at its first step.
+            # puts the matcher in error (NoExtensionBias) or allows no token, and a sample would fail at once.
             mask = llg_np.allocate_token_bitmask(1, init["n_vocab"])
             llg_np.fill_next_token_bitmask(matcher, mask, 0)
             if matcher.is_error() or not mask.any():

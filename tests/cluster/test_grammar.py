@@ -133,4 +133,4 @@ def test_a_grammar_that_matches_nothing_is_refused(manager: StructuredOutputMana
     """No terminal, no string: every token would be refused at the first step, so the spec is a 400."""
     with pytest.raises(RequestError) as e:
         manager.matcher(Spec(grammar="start: x\nx: x x | x x x | x\n", field="guided_grammar"))
-    assert e.value.param == "guided_grammar" and "matches no text" in e.value.message
+    assert e.value.param == "guided_grammar" and "cannot be compiled" in e.value.message
