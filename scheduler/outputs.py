@@ -16,6 +16,12 @@ import numpy as np
 
 from scheduler.sampling_params import SamplingParams
 
+# The asynchronous step (cluster/async_step.py) schedules a step before the previous step's samples are known:
+# each sequence that step samples carries this id as its newest token until the sample arrives. Workers
+# replace it with the token they sampled themselves for that sequence (ModelRunner keeps it), so a
+# placeholder is only ever the last of a CachedSeqData's new_token_ids, and never in a NewSeqData.
+PLACEHOLDER_TOKEN = -1
+
 # token id -> (logprob, rank); rank 1 is the most likely token. The sampled token is always present.
 TokenLogprobs = dict[int, tuple[float, int]]
 

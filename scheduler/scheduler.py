@@ -34,7 +34,7 @@ from kv.prefix_cache import salt_of
 from scheduler.config import SchedulerConfig
 from scheduler.constraint import TokenConstraint
 from scheduler.lora import NO_LORA
-from scheduler.outputs import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
+from scheduler.outputs import PLACEHOLDER_TOKEN, CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -156,6 +156,8 @@ class Scheduler:
         if seq.is_finished:
             return
         group = self._seq_owner.pop(seq.seq_id)
+        if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+            seq.output_token_ids.pop()  # ended (aborted) while its sample was in flight: the sample is never shown
         seq.status = status
         seq.stop_reason = stop_reason
         self.block_manager.free(seq.seq_id)
@@ -432,8 +434,20 @@ class Scheduler:
         Returns the requests that got new tokens this step, in batch order. Requests finished for any
         other reason (aborted, ignored) are reported by `take_finished`.
         """
-        touched: dict[str, SequenceGroup] = {}
-        for item in self._scheduled:
+        items = self.take_scheduled()
+        self.advance_computed(items)
+        return self.apply_result(items, result)
+
+    # The asynchronous step splits `update` in two: `advance_computed` and `add_placeholders` as soon as a step
+    # is launched (so the next schedule() plans past it), `apply_result` once its samples arrive.
+    def take_scheduled(self) -> list[_Scheduled]:
+        """The plan of the last schedule(), handed over (the next schedule() starts a new one)."""
+        items, self._scheduled = self._scheduled, []
+        return items
+
+    def advance_computed(self, items: list[_Scheduled]) -> None:
+        """The step's tokens count as computed (its KV is written before any later step reads it)."""
+        for item in items:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and update()
                 continue
@@ -442,6 +456,26 @@ class Scheduler:
             # Only a block that just became full (and computed) can enter the prefix cache.
             if self._prefix_caching and before // self._block_size != seq.num_computed_tokens // self._block_size:
                 self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def add_placeholders(self, items: list[_Scheduled], out: SchedulerOutput) -> None:
+        """Give each sequence the launched step samples a placeholder token, so the next schedule() runs its
+        decode. A sequence that this sample surely ends by length gets none: it is not scheduled again.
+        Only for steps without forks (the caller's rule): one sample per sequence."""
+        for item in items:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id not in out.num_samples:
+                continue
+            assert out.num_samples[seq.seq_id] == 1, "a forking step is never scheduled past"
+            params = item.group.sampling_params
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len
+            if len(seq.output_token_ids) + 1 >= max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
+                continue
+            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+
+    def apply_result(self, items: list[_Scheduled], result: ModelRunnerOutput) -> list[SequenceGroup]:
+        """Append (or put in place of the placeholder) each sample, fork, stop. A sequence that ended since
+        the step was scheduled (aborted, or stopped one step late under the asynchronous step) drops it."""
+        touched: dict[str, SequenceGroup] = {}
         for seq_id, entries in result.prompt_logprobs.items():
             group = self._seq_owner.get(seq_id)
             if group is not None and group.prompt_logprobs is not None:
@@ -459,13 +493,15 @@ class Scheduler:
                 group.first_token_time = now
             self.num_generation_tokens += len(targets)
             for k, seq in enumerate(targets):
-                seq.output_token_ids.append(sample.token_ids[k])
+                if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+                    seq.output_token_ids[-1] = sample.token_ids[k]
+                else:
+                    seq.output_token_ids.append(sample.token_ids[k])
                 seq.cumulative_logprob += sample.cumulative_logprob_deltas[k]
                 if sample.logprobs is not None:
                     seq.output_logprobs.append(sample.logprobs[k])
                 self._check_stop(group, seq)
             touched[group.request_id] = group
-        self._scheduled = []
         return list(touched.values())
 
     def _fork(self, group: SequenceGroup, parent: Sequence, num_children: int) -> list[Sequence]:

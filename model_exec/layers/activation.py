@@ -6,17 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops import fused
+from ops import fused, fused_cuda
 
 
 class SiluAndMul(nn.Module):
     """[..., 2d] (gate | up) -> silu(gate) * up, [..., d].
 
     float32 CPU tensors go through one fused kernel (ops/fused.py; its exp is within about an ulp
-    of torch's); `forward_torch` is the reference.
+    of torch's), CUDA tensors through a Triton one (ops/triton_layers.py); `forward_torch` is the reference.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_cuda.applies(x):  # CUDA: one Triton kernel
+            return fused_cuda.kernels().silu_and_mul(x)
         if fused.applies(x):
             return fused.silu_and_mul(x)
         return self.forward_torch(x)

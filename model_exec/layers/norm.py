@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ops import fused
+from ops import fused, fused_cuda
 
 
 class RMSNorm(nn.Module):
@@ -34,10 +34,19 @@ class RMSNorm(nn.Module):
         """The vector the fused kernels multiply the normalised rows by."""
         return self.weight
 
+    # The Triton kernels' rounding order (ops/triton_layers.py): Llama casts to the dtype before the weight.
+    cast_first = True
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         weight = self.kernel_weight()
+        if fused_cuda.applies(x, weight):  # CUDA: one Triton kernel (the add too, in place)
+            kernels = fused_cuda.kernels()
+            if residual is None:
+                return kernels.rms_norm(x, weight, self.eps, self.cast_first)
+            if x.is_contiguous() and residual.is_contiguous() and fused_cuda.applies(residual):
+                return kernels.add_rms_norm(x, residual, weight, self.eps, self.cast_first)
         if residual is None:
             if fused.applies(x, weight):
                 return fused.rms_norm(x, weight, self.eps)
@@ -81,6 +90,8 @@ class GemmaRMSNorm(RMSNorm):
         param.data.copy_(loaded_weight)
         self.scale.copy_(1.0 + param.data.float())  # from the parameter: the rounding HF's forward sees
 
+    cast_first = False  # all in float32 times the float32 scale, cast once
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float()
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -88,3 +99,12 @@ class GemmaRMSNorm(RMSNorm):
 
     def kernel_weight(self) -> torch.Tensor:
         return self.scale
+
+
+def per_head_norm(norm: RMSNorm, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """x [T, num_heads * head_dim] (q or k; may be a strided slice of a fused projection) with each head
+    normalised by `norm` (of head_dim features: Qwen3's and Gemma 3's q/k norms), as a new tensor
+    [T, num_heads, head_dim]. The weights are per feature, not per head, so every TP rank applies the same
+    replicated norm to its own heads. One row per head: reshape copies strided slices into the rows the
+    norm kernels take."""
+    return norm(x.reshape(-1, norm.weight.shape[0])).view(x.shape[0], num_heads, -1)

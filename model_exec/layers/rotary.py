@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ops import fused
+from ops import fused, fused_cuda
 
 if TYPE_CHECKING:
     from ops.attention.base import AttentionMetadata
@@ -301,6 +301,9 @@ class RotaryEmbedding(nn.Module):
         keeps its strides; under partial rotary only the rotated features are touched), else a new
         tensor. Callers use only the result."""
         rotated = x[..., : 2 * angles.cos.shape[-1]]
+        if fused_cuda.applies(rotated, angles.cos, angles.sin):  # CUDA: one Triton kernel, in place
+            fused_cuda.kernels().rotate_half_(rotated, angles.cos, angles.sin)
+            return x
         if fused.applies(rotated, angles.cos, angles.sin):
             fused.rotate_half_rope_(rotated, angles.cos, angles.sin)
             return x

@@ -57,7 +57,9 @@ def test_padding_appends_one_token_rows_on_the_pad_block() -> None:
 def _meta(inputs: DecodeInputs, max_seq_len: int) -> AttentionMetadata:
     n = inputs.num_rows
     return AttentionMetadata(
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        # on the inputs' device: the Triton kernels take it as a pointer (a CPU tensor here was the GPU failure
+        # "Pointer argument (at 9) cannot be accessed from Triton": argument 9 of the paged-attention kernel)
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=inputs.seq_lens.device),
         seq_lens=inputs.seq_lens,
         block_tables=inputs.block_tables,
         slot_mapping=inputs.slot_mapping,
