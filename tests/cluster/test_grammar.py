@@ -128,9 +128,3 @@ def test_start_after_leaves_the_reasoning_free(tok: Any, manager: StructuredOutp
     assert {tok.decode([t]) for t in allowed(manager, m)} <= {"y", "n", "ye", "yes", "no"}
     assert feed(tok, m, "no") and m.is_terminated
 
-
-def test_a_grammar_that_matches_nothing_is_refused(manager: StructuredOutputManager) -> None:
-    """No terminal, no string: every token would be refused at the first step, so the spec is a 400."""
-    with pytest.raises(RequestError) as e:
-        manager.matcher(Spec(grammar="start: x\nx: x x | x x x | x\n", field="guided_grammar"))
-    assert e.value.param == "guided_grammar" and "cannot be compiled" in e.value.message
