@@ -127,4 +127,3 @@ def test_start_after_leaves_the_reasoning_free(tok: Any, manager: StructuredOutp
     assert feed(tok, m, "</think>") and m.active
     assert {tok.decode([t]) for t in allowed(manager, m)} <= {"y", "n", "ye", "yes", "no"}
     assert feed(tok, m, "no") and m.is_terminated
-
