@@ -50,6 +50,8 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest
 
+from cluster.loop_records import LoopStats
+
 APP = "raytp"
 CONFIGS = ("haproxy", "pow2", "prefix", "serve-prefix")
 WORDS = [
@@ -164,15 +166,15 @@ async def skewed(client: Any, model: str, args: argparse.Namespace) -> list[floa
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def replica_stats(deployment: str) -> list[dict[str, Any]]:
+def replica_stats(deployment: str) -> list[LoopStats]:
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, APP)
-    seen: dict[tuple[int, ...], dict[str, Any]] = {}
+    seen: dict[tuple[int, ...], LoopStats] = {}
     for _ in range(40):
-        st: dict[str, Any] = handle.get_stats.remote().result(timeout_s=60)
-        seen[(st["prompt_tokens_total"], st["generation_tokens_total"], st["prefix_cache_queries"])] = st
-    return sorted(seen.values(), key=lambda s: -s["prompt_tokens_total"])
+        st: LoopStats = handle.get_stats.remote().result(timeout_s=60)
+        seen[(st.prompt_tokens_total, st.generation_tokens_total, st.prefix_cache_queries)] = st
+    return sorted(seen.values(), key=lambda s: -s.prompt_tokens_total)
 
 
 def run_config(config: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -200,8 +202,8 @@ def run_config(config: str, workload: str, args: argparse.Namespace) -> dict[str
     finally:
         serve.shutdown()
         ray.shutdown()
-    queries = sum(s["prefix_cache_queries"] for s in stats)
-    hits = sum(s["prefix_cache_hits"] for s in stats)
+    queries = sum(s.prefix_cache_queries for s in stats)
+    hits = sum(s.prefix_cache_hits for s in stats)
     return {
         "config": config,
         "workload": workload,
@@ -213,8 +215,8 @@ def run_config(config: str, workload: str, args: argparse.Namespace) -> dict[str
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * percentile(ttfts, 0.99),
         # ignore_eos and a fixed max_tokens: a replica's generated tokens / max_tokens = its requests
-        "requests_per_replica": [s["generation_tokens_total"] // args.max_tokens for s in stats],
-        "hit_rate_per_replica": [round(s["prefix_cache_hit_rate"], 3) for s in stats],
+        "requests_per_replica": [s.generation_tokens_total // args.max_tokens for s in stats],
+        "hit_rate_per_replica": [round(s.prefix_cache_hit_rate, 3) for s in stats],
         "replicas_seen": len(stats),
     }
 

@@ -19,12 +19,13 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ResolvedEngineConfig
 from cluster.engine import LLMEngine
-from cluster.executor import Executor
+from cluster.executor import Executor, check_rank_method
 from model_exec.config import ModelConfig
 from scheduler.lora import LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
@@ -57,6 +58,13 @@ class SimulatedDevice(Executor):
         self.vocab = vocab
         self.steps = 0
         self.device_busy_s = 0.0
+
+    def collective_rpc(
+        self, method: str, *args: Any, ranks: Sequence[int] | None = None, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """One simulated rank: the Worker method of that name is this object's (below)."""
+        check_rank_method(method)
+        return [getattr(self, method)(*args, **kwargs)]
 
     def determine_num_blocks(self) -> tuple[int, int]:
         return self.num_blocks, 0

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model_exec.generation_config import check_generation_config_setting
-from ops.attention.names import ATTENTION_BACKENDS
-from scheduler.config import PREEMPTION_MODES, PreemptionMode
+from model_exec.shard_config import ShardConfig
+from ops.attention.registry import ATTENTION_BACKENDS
+from ops.dtypes import DTYPE_NAMES
+from scheduler.config import PREEMPTION_MODES, PreemptionMode, SchedulerConfig, check_scheduler_fields
 
 _GiB = 1 << 30
-_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+_DTYPES = ("auto", *DTYPE_NAMES)
 # weight quantizations (model_exec/layers/quantization): gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on the
 # CPU; int8 quantizes a float checkpoint's linear layers at load (CPU); none loads every weight as floats (a GGUF
 # dequantized: the reference the block kernels are checked against)
@@ -118,8 +120,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        check_scheduler_fields(self)  # the scheduler's own rules; the two lengths may still be None here
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.swap_space < 0:
@@ -138,8 +139,6 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}.")
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
@@ -157,7 +156,11 @@ class ResolvedEngineConfig(EngineConfig):
     run with it. None of these fields is None or `auto` (each must be given: no defaults)."""
 
     device: Literal["cpu", "cuda"] = field()
+    dtype: str = field()  # canonical (ops.dtypes), never `auto`
     distributed_executor_backend: Literal["ray", "inprocess"] = field()  # decided: never None
     max_model_len: int = field()
     max_num_batched_tokens: int = field()
     block_size: int = field()
+    # What the ranks and the scheduler run with, taken from the fields above once, passed whole.
+    shard: ShardConfig = field()
+    scheduler: SchedulerConfig = field()

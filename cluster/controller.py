@@ -21,9 +21,10 @@ forward pass) runs in the one step thread. So adds and aborts land between or du
 locks, and the scheduler already tolerates a request aborted while its step is in flight. The step loop runs only
 while requests are in flight; the first new request restarts it.
 
-LoRA adapters load and unload on the workers in that same step thread (`executor.add_lora` / `remove_lora`),
-so a load runs between two steps, never during one, and never blocks the event loop; the controller's record
-of them (`engine.loras`) changes on the event loop, after the workers answered. The adapter's config is
+LoRA adapters: the engine's own LoRA steps (`LLMEngine.add_lora_op` / `remove_lora_op`, the code the offline
+engine runs too) run here with their rank calls in that same step thread, so a load runs between two steps,
+never during one, and never blocks the event loop; the controller's record of them (`engine.loras`) changes
+on the event loop, after the workers answered. The adapter's config is
 checked on the event loop first (one small JSON file), so a bad path or rank is a fast LoRAError. Loads and
 unloads of one id run one at a time; a request naming an adapter not loaded yet loads it first (vLLM's way).
 
@@ -45,16 +46,17 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import ray
 
 from cluster.async_step import StepPipeline
 from cluster.config import EngineConfig
-from cluster.engine import EngineDeadError, LLMEngine, make_executor
+from cluster.engine import EngineDeadError, LLMEngine, LoRAOp, make_executor
 from cluster.engine_telemetry import EngineTelemetry
+from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
 from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import SchedulerOutput
@@ -166,27 +168,15 @@ class EngineLoop:
         """Load an adapter on every rank; False when that very adapter is already loaded. LoRAError naming it
         when LoRA is off or the adapter cannot be served; the engine keeps serving either way."""
         await self._wait_lora_op(lora.lora_int_id if isinstance(lora, LoRARequest) else None)
-        if not self.engine.loras.check(lora):  # the adapter's config, read on the loop: a fast refusal
-            return False
-        await self._lora_op(lora.lora_int_id, self._load(lora))
-        return True
+        return await self._lora_op(lora.lora_int_id, self.engine.add_lora_op(lora))
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Unload an adapter from every rank; False when it is not loaded; LoRAError while requests use it."""
         await self._wait_lora_op(lora_int_id)
-        if self.engine.check_lora_removal(lora_int_id) is None:
-            return False
-        # Forgotten first: a request naming it from now on loads it again, after this unload.
-        self.engine.loras.unregister(lora_int_id)
-        await self._lora_op(lora_int_id, self._on_workers(self.engine.executor.remove_lora, lora_int_id))
-        return True
+        return await self._lora_op(lora_int_id, self.engine.remove_lora_op(lora_int_id))
 
     async def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
-
-    async def _load(self, lora: LoRARequest) -> None:
-        await self._on_workers(self.engine.executor.add_lora, lora)
-        self.engine.loras.register(lora)
 
     async def _wait_lora_op(self, lora_int_id: int | None) -> None:
         self._check_serving()
@@ -194,28 +184,39 @@ class EngineLoop:
             await busy.wait()
         self._check_serving()
 
-    async def _lora_op(self, lora_int_id: int, work: Coroutine[Any, Any, Any]) -> None:
-        """Run `work` as a task of its own, the one op on this adapter id until it ends. Shielded: a caller
-        that goes away (a client disconnecting mid-load) cannot leave the ranks and the registry disagreeing."""
-        done = self._lora_ops[lora_int_id] = asyncio.Event()
+    async def _lora_op(self, lora_int_id: int, op: LoRAOp) -> bool:
+        """Run a LoRA step of the engine (`LLMEngine.add_lora_op`, ...): its checks and its record on the event
+        loop, its rank calls on the step thread, between two steps. A step that needs no rank call (a refusal, an
+        adapter already loaded) ends here at once. Otherwise the rest runs as a task of its own, the one op on this
+        adapter id until it ends; shielded, so a caller that goes away (a client disconnecting mid-load) cannot
+        leave the ranks and the registry disagreeing."""
+        try:
+            first = next(op)
+        except StopIteration as done:
+            return bool(done.value)
+        done_event = self._lora_ops[lora_int_id] = asyncio.Event()
 
-        async def run() -> None:
+        async def run() -> bool:
             try:
-                await work
+                call = first
+                while True:
+                    call = op.send(await self._on_workers(call))
+            except StopIteration as done:
+                return bool(done.value)
             finally:
                 del self._lora_ops[lora_int_id]
-                done.set()
+                done_event.set()
 
         task = asyncio.get_running_loop().create_task(run())
         # Its error reaches the caller through the shield; if the caller left, it is retrieved here.
         task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
 
-    async def _on_workers(self, call: Callable[..., T], *args: Any) -> T:
-        """Run an executor call in the step thread, between two steps. A failure other than the adapter's
+    async def _on_workers(self, call: Callable[[], T]) -> T:
+        """Run a rank call in the step thread, between two steps. A failure other than the adapter's
         (LoRAError) is the engine's: every request in flight ends with it, as when a step fails."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._step_thread, call, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._step_thread, call)
         except LoRAError:
             raise
         except Exception as e:
@@ -298,48 +299,45 @@ class EngineLoop:
         if self._closed:
             raise EngineDeadError("the controller is shut down")
 
-    async def get_stats(self) -> dict[str, Any]:
+    async def get_stats(self) -> LoopStats:
         sched, bm = self.engine.scheduler, self.engine.block_manager
-        queries = bm.prefix_cache_queries
-        return {
-            "num_requests": len(self._queues),
-            "num_waiting": len(sched.waiting),
-            "num_running": len(sched.running),
-            "num_swapped": len(sched.swapped),
-            "num_free_device_blocks": bm.num_free_device_blocks,
-            "num_device_blocks": bm.num_device_blocks,
-            "num_free_cpu_blocks": bm.num_free_cpu_blocks,
-            "num_cpu_blocks": bm.num_cpu_blocks,
-            "kv_usage": bm.usage(),
-            "num_preemptions": sched.num_preemptions_recompute + sched.num_preemptions_swap,
-            "num_preemptions_recompute": sched.num_preemptions_recompute,
-            "num_preemptions_swap": sched.num_preemptions_swap,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
-            "prompt_tokens_total": sched.num_prompt_tokens,
-            "generation_tokens_total": sched.num_generation_tokens,  # every token the engine sampled
-            "healthy": self.engine.dead is None and not self._closed,
-            "pid": os.getpid(),  # the process that hosts the engine (a replica that restarted has a new one)
-            "grammar_worker_pid": self.engine.structured.compile_worker_pid,
-            "grammar_worker_restarts": self.engine.structured.compile_worker_restarts,
-        }
+        return LoopStats(
+            num_requests=len(self._queues),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
+            num_free_device_blocks=bm.num_free_device_blocks,
+            num_device_blocks=bm.num_device_blocks,
+            num_free_cpu_blocks=bm.num_free_cpu_blocks,
+            num_cpu_blocks=bm.num_cpu_blocks,
+            kv_usage=bm.usage(),
+            num_preemptions_recompute=sched.num_preemptions_recompute,
+            num_preemptions_swap=sched.num_preemptions_swap,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prompt_tokens_total=sched.num_prompt_tokens,
+            generation_tokens_total=sched.num_generation_tokens,
+            healthy=self.engine.dead is None and not self._closed,
+            pid=os.getpid(),
+            grammar_worker_pid=self.engine.structured.compile_worker_pid,
+            grammar_worker_restarts=self.engine.structured.compile_worker_restarts,
+        )
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> ModelInfo:
         cfg, mc = self.engine.config, self.engine.model_config
-        return {
-            "model": self.engine.model_name,
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": mc.vocab_size,
-            "eos_token_ids": list(mc.eos_token_ids),
-            "generation_defaults": dict(self.engine.generation_defaults),
-            "block_size": cfg.block_size,
-            "num_device_blocks": self.engine.block_manager.num_device_blocks,
-            "tensor_parallel_size": cfg.tensor_parallel_size,
-            "enable_lora": cfg.enable_lora,
-            "max_loras": cfg.max_loras,
-            "max_lora_rank": cfg.max_lora_rank,
-        }
+        return ModelInfo(
+            model=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=list(mc.eos_token_ids),
+            generation_defaults=dict(self.engine.generation_defaults),
+            block_size=cfg.block_size,
+            num_device_blocks=self.engine.block_manager.num_device_blocks,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_lora=cfg.enable_lora,
+            max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank,
+        )
 
     async def shutdown(self) -> None:
         """End every open stream (finish_reason "abort"), stop stepping, free the workers and their PG."""

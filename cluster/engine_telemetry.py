@@ -32,7 +32,7 @@ class EngineTelemetry:
     def __init__(self, engine: LLMEngine, replica: str, model_name: str) -> None:
         self._stats = EngineStatsCollector(engine.scheduler, engine.block_manager, engine.loras)
         self._metrics = EngineMetrics(model_name, replica, num_ranks=engine.config.tensor_parallel_size)
-        engine.executor.start_metrics(model_name, replica)  # the ranks record their own step times
+        engine.executor.collective_rpc("start_metrics", model_name, replica, timeout_s=10.0)  # each rank its step time
         # Every gauge and counter exists (at 0) before the first request, so increase() sees its first rise.
         self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
         self._metrics.record_iteration_stats(IterationStats())

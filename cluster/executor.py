@@ -1,5 +1,10 @@
 """Executors: how the engine reaches its workers.
 
+The interface is vLLM's: `execute_model` (one step, the hot path), `collective_rpc` (every other per-rank
+operation, by the name of a `cluster.worker.Worker` method), `check_health` and `shutdown`. A per-rank
+operation is written once, in `Worker`; the executors carry it without restating it, so a new one (or a new
+executor) is one method, not one per hop.
+
 `InProcessExecutor` holds one `Worker` in the engine's own process (TP=1, the offline default).
 `cluster.ray_executor.RayExecutor` runs one worker actor per TP rank in a placement group and
 implements the same interface; `cluster.engine.make_executor` picks one.
@@ -8,48 +13,41 @@ implements the same interface; `cluster.engine.make_executor` picks one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
 
 from cluster.config import ResolvedEngineConfig
 from cluster.worker import Worker
 from model_exec.config import ModelConfig
-from scheduler.lora import LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
     @abstractmethod
-    def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU blocks) every rank can hold: the minimum over ranks."""
-
-    @abstractmethod
-    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None: ...
-
-    @abstractmethod
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output."""
 
     @abstractmethod
-    def add_lora(self, lora: LoRARequest) -> None:
-        """Load the adapter on every rank (keyed by its lora_int_id). A LoRAError raised on a rank reaches the
-        caller as itself, and no rank keeps the adapter; any other failure is the rank's (the engine's end)."""
-
-    @abstractmethod
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop the adapter from every rank; False when the ranks did not hold it."""
-
-    @abstractmethod
-    def list_loras(self) -> list[int]:
-        """The adapter ids the ranks hold."""
-
-    @abstractmethod
-    def shutdown(self) -> None: ...
+    def collective_rpc(
+        self, method: str, *args: Any, ranks: Sequence[int] | None = None, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args, **kwargs)` on `ranks` (default: every rank) and return their answers in
+        rank order. A `RequestError` a rank raises (e.g. a `LoRAError`: the caller's input, not the rank, is at
+        fault) reaches the caller as itself once every rank answered, and the executor stays usable; any other
+        failure, or no answer within `timeout_s` (default: the step deadline), is the rank's: the executor is
+        unusable afterwards."""
 
     def check_health(self) -> None:  # noqa: B027 - optional hook: in-process workers have nothing to check
         """Raise if any rank is unusable."""
 
     @abstractmethod
-    def start_metrics(self, model_name: str, replica: str) -> None:
-        """Every rank records its step time from now on (`cluster.metrics.WorkerMetrics`), under these labels."""
+    def shutdown(self) -> None: ...
+
+
+def check_rank_method(method: str) -> None:
+    """Refuse a name that is not one of Worker's public methods (a typo would otherwise fail on a rank)."""
+    if method.startswith("_") or not callable(getattr(Worker, method, None)):
+        raise AttributeError(f"collective_rpc: Worker has no public method {method!r}.")
 
 
 class InProcessExecutor(Executor):
@@ -57,28 +55,19 @@ class InProcessExecutor(Executor):
         self.worker = Worker(config, model_config)
         self.worker.load_model()
 
-    def determine_num_blocks(self) -> tuple[int, int]:
-        return self.worker.determine_num_blocks()
-
-    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.init_cache(num_device_blocks, num_cpu_blocks)
-
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = self.worker.execute_model(so)
         assert out is not None  # rank 0 always answers
         return out
 
-    def start_metrics(self, model_name: str, replica: str) -> None:
-        self.worker.start_metrics(model_name, replica)
-
-    def add_lora(self, lora: LoRARequest) -> None:
-        self.worker.add_lora(lora)  # the worker leaves its state unchanged when it raises
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.worker.remove_lora(lora_int_id)
-
-    def list_loras(self) -> list[int]:
-        return self.worker.list_loras()
+    def collective_rpc(
+        self, method: str, *args: Any, ranks: Sequence[int] | None = None, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        check_rank_method(method)
+        if ranks is not None and list(ranks) != [0]:
+            raise ValueError(f"collective_rpc: the in-process executor has rank 0 only, not {list(ranks)}.")
+        # A RequestError leaves the worker's state unchanged (each Worker method's contract): it passes as is.
+        return [getattr(self.worker, method)(*args, **kwargs)]
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -23,12 +23,12 @@ CPU its torch threads; a `raytp serve` that starts its own Ray sets it to the ma
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import pickle
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -37,12 +37,12 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ResolvedEngineConfig
-from cluster.executor import Executor
+from cluster.executor import Executor, check_rank_method
 from cluster.placement import create_placement_group, new_group_name, worker_bundle
 from cluster.ray_utils import ensure_ray, env_float
 from cluster.worker import NodeInfo, Worker
 from model_exec.config import ModelConfig
-from scheduler.lora import LoRAError, LoRARequest
+from scheduler.errors import RequestError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,6 @@ class RayExecutor(Executor):
         use_gpu = config.device == "cuda"  # resolve_config decided `auto` (cluster/device.py)
         self.workers: list[Any] = []  # actor handles, index = rank
         self.nodes: list[NodeInfo] = []
-        self._kv_bytes: list[int | None] = [None] * self.world_size  # CPU KV budget per rank; None: its own
         self.last_step_bytes = 0  # pickled SchedulerOutput size of the latest step (what each rank receives)
         self._error: RankFailedError | None = None
         self._lock = threading.Lock()
@@ -94,7 +93,6 @@ class RayExecutor(Executor):
 
     def _start(self, config: ResolvedEngineConfig, model_config: ModelConfig, use_gpu: bool, cpus: float) -> None:
         actor_cls = ray.remote(concurrency_groups={_CONTROL: 1})(Worker)  # type: ignore[call-overload]
-        rank_config = dataclasses.replace(config, device="cuda" if use_gpu else "cpu")
         for rank in range(self.world_size):
             self.workers.append(
                 actor_cls.options(
@@ -105,7 +103,7 @@ class RayExecutor(Executor):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),
-                ).remote(rank_config, model_config, rank, self.world_size, max(1, int(cpus)))
+                ).remote(config, model_config, rank, self.world_size, max(1, int(cpus)))
             )
         load_timeout = env_float("RAYTP_LOAD_TIMEOUT_S", 1800.0)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], load_timeout, "start")
@@ -113,11 +111,13 @@ class RayExecutor(Executor):
         init_method = (
             f"tcp://[{host}]:{self.nodes[0].free_port}" if ":" in host else f"tcp://{host}:{self.nodes[0].free_port}"
         )
-        self._gather([w.load_model.remote(init_method) for w in self.workers], load_timeout, "model load")
+        kv_bytes: list[int | None] = [None] * self.world_size  # CPU KV budget per rank; None: its own
         if not use_gpu and config.kv_cache_memory_bytes is None:
             # Ranks on one node share its RAM: together they get what one in-process worker would.
             per_node = Counter(n.node_id for n in self.nodes)
-            self._kv_bytes = [max(1, n.default_kv_bytes // per_node[n.node_id]) for n in self.nodes]
+            kv_bytes = [max(1, n.default_kv_bytes // per_node[n.node_id]) for n in self.nodes]
+        loads = [w.load_model.remote(init_method, kv) for w, kv in zip(self.workers, kv_bytes, strict=True)]
+        self._gather(loads, load_timeout, "model load")
         logger.info(
             "ray executor: %d ranks on nodes %s, rendezvous %s",
             self.world_size,
@@ -126,15 +126,6 @@ class RayExecutor(Executor):
         )
 
     # ------------------------------------------------------------------ protocol
-    def determine_num_blocks(self) -> tuple[int, int]:
-        refs = [w.determine_num_blocks.remote(kv) for w, kv in zip(self.workers, self._kv_bytes, strict=True)]
-        answers = self._gather(refs, self.step_timeout_s, "KV sizing")
-        return min(a[0] for a in answers), min(a[1] for a in answers)
-
-    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        refs = [w.init_cache.remote(num_device_blocks, num_cpu_blocks) for w in self.workers]
-        self._gather(refs, self.step_timeout_s, "KV allocation")
-
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._raise_if_failed()
         # Pickled once for all ranks. Small payloads (every decode step: ~3 KB at batch 64) travel inline in
@@ -148,27 +139,15 @@ class RayExecutor(Executor):
         assert out is not None, "rank 0 always answers"
         return out
 
-    def start_metrics(self, model_name: str, replica: str) -> None:
-        self._gather([w.start_metrics.remote(model_name, replica) for w in self.workers], _HEALTH_TIMEOUT_S, "metrics")
-
-    def add_lora(self, lora: LoRARequest) -> None:
+    def collective_rpc(
+        self, method: str, *args: Any, ranks: Sequence[int] | None = None, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        check_rank_method(method)
         self._raise_if_failed()
-        refs = [w.add_lora.remote(lora) for w in self.workers]
-        try:
-            self._gather_adapter_call(refs, f"load of LoRA adapter {lora.lora_name!r}")
-        except LoRAError:
-            # Some ranks may have loaded it: every rank must hold the same adapters, so they drop it again.
-            self.remove_lora(lora.lora_int_id)
-            raise
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        self._raise_if_failed()
-        refs = [w.remove_lora.remote(lora_int_id) for w in self.workers]
-        return any(self._gather(refs, self.step_timeout_s, "LoRA unload"))
-
-    def list_loras(self) -> list[int]:
-        self._raise_if_failed()
-        return list(self._gather([self.workers[0].list_loras.remote()], self.step_timeout_s, "LoRA list")[0])
+        targets = range(self.world_size) if ranks is None else ranks
+        refs = [getattr(self.workers[r], method).remote(*args, **kwargs) for r in targets]
+        timeout = self.step_timeout_s if timeout_s is None else timeout_s
+        return self._gather(refs, timeout, f"{method} call", list(targets))
 
     def check_health(self) -> None:
         self._raise_if_failed()
@@ -179,45 +158,43 @@ class RayExecutor(Executor):
         self._finalizer()
 
     # ------------------------------------------------------------------ failures
-    def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
-        """Every rank's result, in rank order. The first rank to fail, or the deadline, fails the executor.
+    def _gather(self, refs: list[Any], timeout_s: float, what: str, ranks: list[int] | None = None) -> list[Any]:
+        """Every rank's result, in rank order (`ranks`: the rank of each ref; default 0..n-1). The first rank
+        to fail, or the deadline, fails the executor, except for a RequestError (the caller's input at fault,
+        e.g. an adapter that does not fit): that one is raised as itself once every rank answered, so the
+        caller can roll back knowing no rank is still at work, and the executor stays usable.
 
         `ray.get` on the list returns early on the first error, so a dead rank is noticed at once even
         though the survivors are stuck in a collective waiting for it.
         """
+        ranks = list(range(len(refs))) if ranks is None else ranks
         try:
             return list(ray.get(refs, timeout=timeout_s))
         except GetTimeoutError:
             pending = ray.wait(refs, num_returns=len(refs), timeout=0)[1]
-            raise self._fail(self._stall_error([refs.index(r) for r in pending], what, timeout_s)) from None
+            raise self._fail(self._stall_error([ranks[refs.index(r)] for r in pending], what, timeout_s)) from None
+        except RayTaskError as e:
+            if not isinstance(e.cause, RequestError):
+                rank, cause = self._blame(refs, e)
+                raise self._fail(self._rank_error(ranks[rank], what, cause)) from e
+            request_error = e.cause
         except RayError as e:
             rank, cause = self._blame(refs, e)
-            raise self._fail(self._rank_error(rank, what, cause)) from e
-
-    def _gather_adapter_call(self, refs: list[Any], what: str) -> list[Any]:
-        """`_gather` for adapter loads: a LoRAError raised on a rank is the adapter's fault, not the rank's, so it
-        reaches the caller as itself and the executor stays usable. Waits for every rank first (loads run no
-        collective), so the caller can roll back knowing no rank is still loading."""
-        pending = ray.wait(refs, num_returns=len(refs), timeout=self.step_timeout_s)[1]
+            raise self._fail(self._rank_error(ranks[rank], what, cause)) from e
+        # A rank refused the caller's input: let every rank finish; any other failure among them is the rank's.
+        pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[1]
         if pending:
-            raise self._fail(self._stall_error([refs.index(r) for r in pending], what, self.step_timeout_s))
-        adapter_error: LoRAError | None = None
-        for ref in refs:
+            raise self._fail(self._stall_error([ranks[refs.index(r)] for r in pending], what, timeout_s))
+        for i, ref in enumerate(refs):
             try:
                 ray.get(ref, timeout=0)
             except RayTaskError as e:
-                if not isinstance(e.cause, LoRAError):
-                    cause = f"it raised {_first_line(e.cause or e)}"
-                    raise self._fail(self._rank_error(refs.index(ref), what, cause)) from e
-                adapter_error = adapter_error or e.cause
-            except RayActorError as e:
-                cause = f"its worker actor died ({_first_line(e)})"
-                raise self._fail(self._rank_error(refs.index(ref), what, cause)) from e
+                if not isinstance(e.cause, RequestError):
+                    raise self._fail(self._rank_error(ranks[i], what, f"it raised {_first_line(e.cause or e)}")) from e
             except RayError as e:
-                raise self._fail(self._rank_error(refs.index(ref), what, _first_line(e))) from e
-        if adapter_error is not None:
-            raise adapter_error
-        return self._gather(refs, 0, what)
+                rank, cause = self._blame([ref], e)
+                raise self._fail(self._rank_error(ranks[i], what, cause)) from e
+        raise request_error
 
     def _blame(self, refs: list[Any], error: RayError) -> tuple[int, str]:
         """(rank, what went wrong) for an error raised by one of `refs`."""

@@ -5,6 +5,9 @@ The same class runs in-process (TP=1, `InProcessExecutor`) and as the Ray actor 
 
     node_info (Ray only) -> load_model -> determine_num_blocks -> init_cache -> execute_model per step
 
+Every per-rank operation is a public method here and nowhere else: the executors reach it by name through
+`collective_rpc` (the step itself through `execute_model`), so adding one is one method in this file.
+
 Decision: this module imports no torch. The tensors live in `model_exec.shard.ModelShard`,
 imported when the model loads, i.e. inside the rank's own process. The controller can then
 create worker actors without paying torch's import time and memory itself.
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 from cluster.config import ResolvedEngineConfig, default_kv_cache_bytes
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
-from scheduler.lora import LoRARequest
+from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ class Worker:
         self.world_size = world_size
         self.num_threads = num_threads
         self.shard: ModelShard | None = None
+        self.kv_cache_bytes: int | None = None  # CPU KV budget of this rank (set by load_model); None: the default
         self.metrics: WorkerMetrics | None = None  # set by start_metrics (a serving controller); None offline
 
     def node_info(self) -> NodeInfo:
@@ -69,40 +73,32 @@ class Worker:
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return NodeInfo(node_id, ray.util.get_node_ip_address(), port, default_kv_cache_bytes(), os.getpid())
 
-    def load_model(self, dist_init_method: str | None = None) -> None:
-        """Join the TP group (at `dist_init_method`, for world_size > 1), build this rank's shard, load it."""
+    def load_model(self, dist_init_method: str | None = None, kv_cache_bytes: int | None = None) -> None:
+        """Join the TP group (at `dist_init_method`, for world_size > 1), build this rank's shard, load it.
+        `kv_cache_bytes`: this rank's CPU KV budget when it shares a node with other ranks (the Ray executor's
+        share of the node's default), else the configured kv_cache_memory_bytes or the machine's default."""
+        self.kv_cache_bytes = kv_cache_bytes
         if self.num_threads is not None:
             import torch
 
             torch.set_num_threads(self.num_threads)
         from model_exec.shard import ModelShard
 
-        cfg = self.config
+        # Passed whole: the engine decided every field once (cluster/engine.py resolve_config).
         self.shard = ModelShard(
-            resolve_model(cfg.model, cfg.revision),
+            resolve_model(self.config.model, self.config.revision),
             self.model_config,
+            self.config.shard,
             rank=self.rank,
             world_size=self.world_size,
             dist_init_method=dist_init_method,
-            device=cfg.device,  # the engine's answer: `auto` was resolved before this worker started
-            dtype=cfg.dtype,
-            attention_backend=cfg.attention_backend,
-            block_size=cfg.block_size,
-            panel_gemm=cfg.cpu_panel_gemm,
-            quantization=cfg.quantization,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            enable_lora=cfg.enable_lora,
-            max_loras=cfg.max_loras,
-            max_lora_rank=cfg.max_lora_rank,
         )
 
-    def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) this rank can hold; the controller takes the minimum over ranks.
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) this rank can hold; the engine takes the minimum over ranks.
 
-        On the CPU the pool gets `kv_cache_bytes` (the Ray executor's share of a node shared by several
-        ranks), else the configured kv_cache_memory_bytes, else the machine's default.
+        On the CPU the pool gets `kv_cache_bytes` (given to load_model), else the configured
+        kv_cache_memory_bytes, else the machine's default.
         """
         shard = self._shard()
         cfg = self.config
@@ -113,7 +109,7 @@ class Worker:
         if shard.device.type == "cuda":
             blocks = shard.profile_cuda_blocks(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.gpu_memory_utilization)
             return blocks, num_cpu
-        budget = kv_cache_bytes or cfg.kv_cache_memory_bytes or default_kv_cache_bytes()
+        budget = self.kv_cache_bytes or cfg.kv_cache_memory_bytes or default_kv_cache_bytes()
         return max(budget // per_block, 1), num_cpu
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
@@ -133,15 +129,20 @@ class Worker:
     def add_lora(self, lora: LoRARequest) -> None:
         """Load a PEFT adapter's shard on this rank, keyed by lora_int_id (an id already loaded is replaced).
         LoRAError naming the adapter and the cause, with the rank's adapters unchanged, when it cannot."""
-        self._shard().add_lora(lora)
+        manager = self._shard().lora
+        if manager is None:
+            raise LoRAError(f"LoRA adapter {lora.lora_name!r}: this engine was started without enable_lora.")
+        manager.add(lora)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter; False when this rank does not hold it."""
-        return self._shard().remove_lora(lora_int_id)
+        manager = self._shard().lora
+        return manager.remove(lora_int_id) if manager is not None else False
 
     def list_loras(self) -> list[int]:
         """The lora_int_ids this rank holds, ascending."""
-        return self._shard().list_loras()
+        manager = self._shard().lora
+        return manager.lora_ids() if manager is not None else []
 
     def start_metrics(self, model_name: str, replica: str) -> None:
         """Record this rank's execute_model wall time from now on, labelled with its rank."""

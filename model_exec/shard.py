@@ -26,22 +26,14 @@ from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
+from model_exec.shard_config import ShardConfig
 from model_exec.source import ModelSource
 from model_exec.weights import iter_weights
-from ops.attention import get_attn_backend
-from scheduler.lora import LoRAError, LoRARequest
+from ops.attention import get_attn_backend, pick_backend
+from ops.dtypes import torch_dtype
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
 
 def torch_device(device: Literal["cpu", "cuda"]) -> torch.device:
     """The torch device of a device the engine already decided (`auto` is resolved once, before any worker
@@ -51,15 +43,6 @@ def torch_device(device: Literal["cpu", "cuda"]) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but no CUDA device is visible.")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPE_NAMES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU half-precision GEMMs are slow and the reference (HF fp32) is exact
-    ckpt = model_config.torch_dtype
-    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -82,29 +65,18 @@ class ModelShard:
         self,
         source: ModelSource,
         model_config: ModelConfig,
+        config: ShardConfig,
         *,
-        rank: int,
-        world_size: int,
-        dist_init_method: str | None,
-        device: Literal["cpu", "cuda"],
-        dtype: str,
-        attention_backend: str,
-        block_size: int,
-        panel_gemm: bool = True,
-        quantization: str | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        enforce_eager: bool = False,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_init_method: str | None = None,
     ) -> None:
-        """Join the TP group, build this rank's shard on its device and stream its weights in.
-
-        max_num_seqs and max_model_len size the CUDA graphs' buffers (max_model_len: the model's own when
-        None); enforce_eager turns the graphs off. enable_lora gives the linear layers LoRA slots (adapters
-        are added later, `add_lora`); without it the model is exactly the base model. quantization:
-        EngineConfig.quantization (`layers.quantization.select`)."""
+        """Join the TP group, build this rank's shard on its device and stream its weights in, as `config` (decided
+        once by the engine, cluster/device.py `resolve_config`) says. With enable_lora the linear layers get LoRA
+        slots (adapters are added later, `Worker.add_lora`); without it the model is exactly the base model.
+        config.quantization: EngineConfig.quantization (`layers.quantization.select`)."""
+        self.config = config
+        device, block_size = config.device, config.block_size
         self.device = torch_device(device)
         self._mem_at_start: MemorySnapshot | None = None
         if self.device.type == "cuda":
@@ -120,38 +92,39 @@ class ModelShard:
             assert dist_init_method is not None
             backend: Literal["gloo", "nccl"] = "nccl" if self.device.type == "cuda" else "gloo"
             self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
-        torch_dtype = resolve_dtype(dtype, model_config, self.device)
-        attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
-        quant = select_quantization(quantization, source.kind, self.device, torch_dtype)
+        dtype = torch_dtype(config.dtype)
+        if config.attention_backend == "auto":
+            attn_backend = pick_backend(config.attention_candidates, self.device, config.attention_passed_over)
+        else:
+            attn_backend = get_attn_backend(config.attention_backend, self.device, dtype, block_size)
+        quant = select_quantization(config.quantization, source.kind, self.device, dtype)
         self.quantization = "none" if quant is None else quant.name
         with quantization_scope(quant):
-            model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
+            model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
         weights = iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks())
         # GGUFTensors stand in for tensors through every loader (layers.quantization.gguf_tensor)
         model.load_weights(weights)  # type: ignore[arg-type]
-        pack_weights(model, panels=panel_gemm)
+        pack_weights(model, panels=config.panel_gemm)
         self.lora: LoRAManager | None = None
-        if enable_lora:
+        if config.enable_lora:
             assert isinstance(model, CheckpointLoader)  # every registered family is one
-            self.lora = LoRAManager(model, max_loras, max_lora_rank)
+            self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank)
         self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora)
         self._mem_after_load = take_snapshot(torch.cuda, self.device) if self.device.type == "cuda" else None
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len or model_config.max_position_embeddings
-        self.use_cuda_graphs = self._decide_cuda_graphs(attn_backend.cuda_graph_capturable, enforce_eager)
+        self.use_cuda_graphs = self._decide_cuda_graphs(attn_backend.cuda_graph_capturable, config.enforce_eager)
         self.cache_shape = CacheShape(
             num_layers=model_config.num_hidden_layers,
             num_kv_heads=model_config.num_key_value_heads // world_size,
             head_dim=model_config.head_dim,
             block_size=block_size,
-            dtype=torch_dtype,
+            dtype=dtype,
         )
         self.cache: CacheEngine | None = None
         logger.info(
             "rank %d loaded %s (%s, %s, quantization %s)",
             rank,
             source.name,
-            torch_dtype,
+            dtype,
             self.device,
             self.quantization,
         )
@@ -225,8 +198,8 @@ class ModelShard:
             graphs = DecodeGraphs(
                 self.runner.model,
                 self.cache.device_caches,
-                sizes=capture_sizes(self.max_num_seqs),
-                max_model_len=self.max_model_len,
+                sizes=capture_sizes(self.config.max_num_seqs),
+                max_model_len=self.config.max_model_len,
                 block_size=s.block_size,
                 pad_block=self.cache.pad_block_id,
                 device=self.device,
@@ -239,21 +212,6 @@ class ModelShard:
                 torch.cuda.synchronize()
             else:
                 self.runner.attach_decode_graphs(graphs)
-
-    def add_lora(self, lora: LoRARequest) -> None:
-        """Load an adapter's shard on this rank (replacing one with its id); LoRAError, rank unchanged, if not."""
-        self._lora_manager(lora.lora_name).add(lora)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.lora.remove(lora_int_id) if self.lora is not None else False
-
-    def list_loras(self) -> list[int]:
-        return self.lora.lora_ids() if self.lora is not None else []
-
-    def _lora_manager(self, lora_name: str) -> LoRAManager:
-        if self.lora is None:
-            raise LoRAError(f"LoRA adapter {lora_name!r}: this engine was started without enable_lora.")
-        return self.lora
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""

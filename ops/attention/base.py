@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ops.attention.registry import BACKENDS
 
 
 @dataclass
@@ -55,7 +58,8 @@ class AttentionBackend(ABC):
     """Paged attention over a batch. Stateless apart from what `__init__` precomputes."""
 
     name: str = ""
-    # What this backend implements; the constructor refuses the options it does not.
+    # What this backend implements; the constructor refuses the options it does not. A registered backend's
+    # flags are its row's (ops/attention/registry.py), set when its class is defined.
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
     # True declares that a pure-decode `forward` (max_query_len == 1) can be recorded into a CUDA graph and
@@ -64,6 +68,20 @@ class AttentionBackend(ABC):
     # read only as an upper bound (captures pass max_model_len; model_exec/cuda_graphs.py). Rows past the
     # real batch are padding whose slots and block tables point at a pad block the scheduler never hands out.
     cuda_graph_capturable: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        row = BACKENDS.get(cls.__dict__.get("name", ""))
+        if row is not None:
+            cls.supports_sliding_window = row.sliding_window
+            cls.supports_logits_soft_cap = row.logits_soft_cap
+            cls.cuda_graph_capturable = row.capturable
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run in this process beyond its row's rules and its package (e.g. its
+        kernels do not build), or None."""
+        return None
 
     def __init__(
         self,
@@ -93,6 +111,11 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self._prepare()
+
+    def _prepare(self) -> None:  # noqa: B027 - optional hook
+        """The backend's own set-up, once the base fields are set (and checked): e.g. import its kernels,
+        refuse a head_dim they cannot take (ValueError)."""
 
     @abstractmethod
     def forward(

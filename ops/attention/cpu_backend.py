@@ -44,24 +44,14 @@ from ops.attention.torch_backend import TorchAttentionBackend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return cpu_kernels.load_error()
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
-        )
+    def _prepare(self) -> None:
+        super()._prepare()
         # The prefill kernel is AVX2 code only (the portable build registers it but refuses to run).
-        self._prefill_kernel = cpu_kernels.vectorized() and head_dim % 8 == 0
+        self._prefill_kernel = cpu_kernels.vectorized() and self.head_dim % 8 == 0
 
     def _decode(
         self,

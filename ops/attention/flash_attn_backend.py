@@ -28,9 +28,11 @@ import torch.nn.functional as F
 
 from ops.attention import FLASH_ATTN_BLOCK_MULTIPLE
 from ops.attention.base import AttentionBackend, AttentionMetadata
+from ops.attention.registry import BACKENDS
 from ops.cache_ops import write_to_paged_cache
+from ops.dtypes import torch_dtype
 
-_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPES = tuple(torch_dtype(n) for n in BACKENDS["flash_attn"].dtypes)  # its row's
 
 
 def check_flash_attn_block_size(block_size: int) -> None:
@@ -51,26 +53,10 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
-    # The decode road is index_copy_ + flash_attn_with_kvcache, both sync-free with tensor-only inputs
-    # (vLLM captures the same call); max_seq_len is not read there.
-    cuda_graph_capturable = True
+    # Capturable (its row in registry.py): the decode road is index_copy_ + flash_attn_with_kvcache, both
+    # sync-free with tensor-only inputs (vLLM captures the same call); max_seq_len is not read there.
 
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
-        )
+    def _prepare(self) -> None:
         try:
             import flash_attn
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -79,16 +65,16 @@ class FlashAttnBackend(AttentionBackend):
                 "attention_backend='flash_attn' needs the flash-attn package "
                 f"(pip install flash-attn>=2.6): {exc}"
             ) from exc
-        if head_dim > 256 or head_dim % 8 != 0:
-            raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {head_dim}.")
+        if self.head_dim > 256 or self.head_dim % 8 != 0:
+            raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {self.head_dim}.")
         self._varlen: Any = flash_attn_varlen_func
         self._with_kvcache: Any = flash_attn_with_kvcache
         # Passed only when set, so a layer without either option runs on any flash-attn 2.x.
         self._options: dict[str, Any] = {}
-        if sliding_window is not None:
-            self._options["window_size"] = (sliding_window - 1, 0)
-        if logits_soft_cap is not None:
-            self._options["softcap"] = float(logits_soft_cap)
+        if self.sliding_window is not None:
+            self._options["window_size"] = (self.sliding_window - 1, 0)
+        if self.logits_soft_cap is not None:
+            self._options["softcap"] = float(self.logits_soft_cap)
         version = str(getattr(flash_attn, "__version__", "0"))
         if self._options and _major_minor(version) < (2, 6):
             raise ValueError(

@@ -84,23 +84,8 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
-        )
-        self._gqa = num_heads != num_kv_heads
+    def _prepare(self) -> None:
+        self._gqa = self.num_heads != self.num_kv_heads
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool

@@ -28,8 +28,10 @@ from types import ModuleType
 import torch
 
 from ops.attention.base import AttentionBackend, AttentionMetadata
+from ops.attention.registry import BACKENDS
+from ops.dtypes import torch_dtype
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = tuple(torch_dtype(n) for n in BACKENDS["triton"].dtypes)  # its row's
 _MAX_HEAD_DIM = 256
 _MAX_SEGMENTS = 16
 # A decode segment is worth its launch and merge only over at least this many keys.
@@ -75,36 +77,21 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    # A decode step reads only tensors and host ints fixed at capture (max_seq_len = max_model_len then:
-    # more key segments than needed, each row still bounded by its own seq_len), with no host sync.
-    cuda_graph_capturable = True
+    # Capturable (its row in registry.py): a decode step reads only tensors and host ints fixed at capture
+    # (max_seq_len = max_model_len then: more key segments than needed, each row still bounded by its own
+    # seq_len), with no host sync.
 
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
-        )
-        if head_dim > _MAX_HEAD_DIM:
-            raise ValueError(f"attention_backend='triton' supports head_dim <= {_MAX_HEAD_DIM}; got {head_dim}.")
+    def _prepare(self) -> None:
+        if self.head_dim > _MAX_HEAD_DIM:
+            raise ValueError(f"attention_backend='triton' supports head_dim <= {_MAX_HEAD_DIM}; got {self.head_dim}.")
         try:
             from ops.attention import triton_kernels
         except ImportError as exc:
             raise ValueError(f"attention_backend='triton' needs the triton package (pip install triton): {exc}") \
                 from exc
         self._kernels: ModuleType = triton_kernels
-        self._group = num_heads // num_kv_heads
-        self._head_dim_p = _pow2_at_least(head_dim, 16)
+        self._group = self.num_heads // self.num_kv_heads
+        self._head_dim_p = _pow2_at_least(self.head_dim, 16)
 
     def forward(
         self,

@@ -84,21 +84,7 @@ def _step_plan(meta: AttentionMetadata, block_size: int, window: int | None, fmh
 class XFormersBackend(AttentionBackend):
     name = "xformers"
 
-    supports_sliding_window = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
-        )
+    def _prepare(self) -> None:
         try:
             from xformers.ops import fmha
         except ImportError as exc:
@@ -107,7 +93,7 @@ class XFormersBackend(AttentionBackend):
                 f"(pip install xformers>=0.0.28): {exc}"
             ) from exc
         self._fmha: Any = fmha
-        self._group = num_heads // num_kv_heads
+        self._group = self.num_heads // self.num_kv_heads
 
     def forward(
         self,

@@ -89,9 +89,9 @@ class BatchReplica:
             client=ActorEngineClient(self.controller),
             tokenizer=self._tokenizer,
             model_name=self._model_name,
-            max_model_len=int(info["max_model_len"]),
-            vocab_size=int(info["vocab_size"]),
-            generation_defaults=dict(info["generation_defaults"]),
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            generation_defaults=dict(info.generation_defaults),
             max_token_chars=max_token_chars(self._tokenizer),
             chat=self._chat,
         )

@@ -15,12 +15,13 @@ each also answers health and model info. Nothing here decodes or decides anythin
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.engine import EngineDeadError
+from cluster.loop_records import ModelInfo
 from cluster.outputs import RequestDelta
 from scheduler.lora import LoRARequest
 from scheduler.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ class EngineClient(Protocol):
         """Raises when the engine cannot serve (the ingress answers 503)."""
         ...
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> ModelInfo:
         """The engine's `EngineLoop.model_info`: max_model_len, vocab_size, ..."""
         ...
 
@@ -62,8 +63,8 @@ class ServeEngineClient:
     async def health(self) -> None:
         await self._handle.health.remote()
 
-    async def model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = await self._handle.model_info.remote()
+    async def model_info(self) -> ModelInfo:
+        info: ModelInfo = await self._handle.model_info.remote()
         return info
 
     async def generate(
@@ -96,8 +97,8 @@ class ActorEngineClient:
     async def health(self) -> None:
         await self._controller.check_health.remote()
 
-    async def model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = await self._controller.model_info.remote()
+    async def model_info(self) -> ModelInfo:
+        info: ModelInfo = await self._controller.model_info.remote()
         return info
 
     async def generate(

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.loop_records import LoopStats, ModelInfo
 from model_exec.source import load_tokenizer, resolve_model
 from raytp.openai.app import openai_app
 from raytp.openai.context import ServingContext, max_token_chars
@@ -94,7 +95,7 @@ class OpenAIIngress:
         if self._local is not None:
             await self._local.health()
 
-    async def get_stats(self) -> dict[str, Any]:
+    async def get_stats(self) -> LoopStats:
         """The hosted engine's counters; a split ingress hosts none (ask the LLMServer deployment)."""
         if self._local is None:
             raise RuntimeError("this ingress hosts no engine (split_ingress): ask the LLMServer deployment")
@@ -105,7 +106,7 @@ class OpenAIIngress:
         checking that a runtime LoRA change reached every ingress replica."""
         return serve.get_replica_context().replica_id.unique_id, self.models.names()
 
-    async def model_info(self, model: str | None = None) -> dict[str, Any]:
+    async def model_info(self, model: str | None = None) -> ModelInfo:
         """The engine's model_info of `model` (default: the only model)."""
         return await self._clients[model or self._args.model.name].model_info()
 
@@ -127,9 +128,9 @@ async def _context(model: ModelArgs, client: EngineClient, tokenizer: Any) -> Se
         client=client,
         tokenizer=tokenizer,
         model_name=model.name,
-        max_model_len=int(info["max_model_len"]),
-        vocab_size=int(info["vocab_size"]),
-        generation_defaults=dict(info["generation_defaults"]),
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        generation_defaults=dict(info.generation_defaults),
         max_token_chars=max_token_chars(tokenizer),
         chat=model.chat,
         enable_lora=model.engine.enable_lora,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from cluster.config import EngineConfig
+from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
 from raytp.openai.errors import EngineOverloadedError
 from raytp.serve.args import ModelArgs
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 UNLOAD_RETRY_S = 0.5  # an unloaded adapter still in use is retried this often until its requests finish
 
 
-async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, dict[str, Any]]:
+async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, ModelInfo]:
     """Load the model in this Serve replica: (its engine loop, model_info). Loading blocks (it waits on the
     workers), so it runs off the event loop; a replica that awaits this in its async __init__ does not report
     ready before it is done. The Serve replica id labels this engine's metrics (`replica`), as Serve's own
@@ -65,7 +66,7 @@ class ModelReplica:
     use, and `sync_loras` keeps the resident set equal to the application's registry (lora_sync.py).
     """
 
-    def __init__(self, engine: EngineLoop, info: dict[str, Any], max_waiting_requests: int | None) -> None:
+    def __init__(self, engine: EngineLoop, info: ModelInfo, max_waiting_requests: int | None) -> None:
         self._engine = engine
         self._info = info
         self._max_waiting = max_waiting_requests
@@ -164,10 +165,10 @@ class ModelReplica:
                 logger.warning("unloading LoRA adapter %d failed: %s", lora_int_id, e)
                 return
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> ModelInfo:
         return self._info
 
-    async def get_stats(self) -> dict[str, Any]:
+    async def get_stats(self) -> LoopStats:
         """The engine's counters (queues, KV blocks). Serve calls reach it through the deployment that
         hosts this replica; no transport forwards it."""
         return await self._engine.get_stats()

@@ -82,7 +82,7 @@ def test_tp2_serving_loop_async_equals_offline_sync(model: str) -> None:
 
         assert asyncio.run(run()) == expected
         stats = ray.get(handle.get_stats.remote())
-        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        assert stats.num_free_device_blocks == stats.num_device_blocks
     finally:
         ray.get(handle.shutdown.remote(), timeout=60)
         ray.kill(handle)

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from cluster.controller import EngineController
+from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
 from raytp import LLM, EngineConfig, RequestError, SamplingParams
 from tests.cluster.ray_helpers import (
@@ -61,7 +62,7 @@ def all_blocks_free_after(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def _blocks_all_free(controller: Any) -> bool:
     stats = ray.get(controller.get_stats.remote())
-    return stats["num_free_device_blocks"] == stats["num_device_blocks"] and stats["num_requests"] == 0
+    return stats.num_free_device_blocks == stats.num_device_blocks and stats.num_requests == 0
 
 
 def _stream(controller: Any, request_id: str, prompt: list[int], params: SamplingParams) -> Any:
@@ -122,7 +123,7 @@ def test_cancelling_the_stream_aborts_the_request(controller: Any) -> None:
     async def run() -> None:
         gen = _stream(controller, "to-cancel", tiny_prompts(2)[1], greedy(400))
         await (await gen.__anext__())  # running: it holds blocks now
-        assert ray.get(controller.get_stats.remote())["num_running"] == 1
+        assert ray.get(controller.get_stats.remote()).num_running == 1
         ray.cancel(gen)
 
     asyncio.run(run())
@@ -163,21 +164,14 @@ def test_duplicate_request_id_is_refused(controller: Any) -> None:
 
 def test_model_info_and_stats(controller: Any) -> None:
     info = ray.get(controller.model_info.remote())
-    assert info["vocab_size"] == 320 and info["max_model_len"] == 512 and info["eos_token_ids"] == [2]
-    assert info["block_size"] == 4 and info["tensor_parallel_size"] == 2 and info["num_device_blocks"] > 0
+    assert info.vocab_size == 320 and info.max_model_len == 512 and info.eos_token_ids == [2]
+    assert info.block_size == 4 and info.tensor_parallel_size == 2 and info.num_device_blocks > 0
     asyncio.run(_collect(_stream(controller, "for-stats", [5, 6, 7], greedy(3))))
     stats = ray.get(controller.get_stats.remote())
-    for key in (
-        "num_waiting",
-        "num_running",
-        "num_swapped",
-        "num_free_cpu_blocks",
-        "kv_usage",
-        "num_preemptions",
-        "prefix_cache_hit_rate",
-        "prompt_tokens_total",
-        "generation_tokens_total",
-    ):
-        assert key in stats, key  # fmt: skip
-    assert stats["prompt_tokens_total"] >= 3 and stats["generation_tokens_total"] >= 3
+    assert isinstance(stats, LoopStats) and isinstance(info, ModelInfo)  # typed records cross Ray intact
+    assert stats.num_waiting == stats.num_running == stats.num_swapped == 0 and stats.healthy
+    assert 0.0 <= stats.kv_usage <= 1.0 and stats.num_free_cpu_blocks <= stats.num_cpu_blocks
+    assert stats.num_preemptions == stats.num_preemptions_recompute + stats.num_preemptions_swap
+    assert 0.0 <= stats.prefix_cache_hit_rate <= 1.0
+    assert stats.prompt_tokens_total >= 3 and stats.generation_tokens_total >= 3
     ray.get(controller.check_health.remote())  # healthy: returns

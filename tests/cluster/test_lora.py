@@ -127,10 +127,10 @@ def test_tp2_ray_workers(model: str, adapters: dict[str, LoRARequest], ray_sessi
         check_parity_and_mixing(llm, model, adapters)
         check_bad_adapters_leave_the_engine_serving(llm, model, adapters)
         assert llm.remove_lora(1) is True
-        assert llm.llm_engine.executor.list_loras() == [2]  # every rank dropped it
+        assert llm.llm_engine.executor.collective_rpc("list_loras") == [[2], [2]]  # every rank dropped it
         # a rank that died is an engine failure, not the adapter's
         ray.kill(llm.llm_engine.executor.workers[1], no_restart=True)
-        with pytest.raises(RankFailedError, match=r"rank 1 of 2 .*load of LoRA adapter 'sql'"):
+        with pytest.raises(RankFailedError, match=r"rank 1 of 2 .*add_lora call"):
             llm.add_lora(adapters["sql"])
         assert llm.llm_engine.dead is not None
     finally:
@@ -154,7 +154,7 @@ async def _stream(controller: Any, rid: str, prompt: list[int], lora: LoRAReques
 def test_engine_controller_actor(controller: Any, model: str, adapters: dict[str, LoRARequest]) -> None:
     async def scenario() -> None:
         info = await controller.model_info.remote()
-        assert (info["enable_lora"], info["max_loras"], info["max_lora_rank"]) == (True, 2, 16)
+        assert (info.enable_lora, info.max_loras, info.max_lora_rank) == (True, 2, 16)
         with pytest.raises(LoRAError, match="rank 32 is over max_lora_rank") as err:
             await controller.add_lora.remote(adapters["big"])
         assert getattr(err.value, "cause", err.value).code == "lora_rank_exceeded"  # its fields crossed Ray
@@ -169,6 +169,6 @@ def test_engine_controller_actor(controller: Any, model: str, adapters: dict[str
         assert await controller.remove_lora.remote(1) is True
         assert await _stream(controller, "base", prompt, None) == expected(model, None, prompt)
         stats = await controller.get_stats.remote()
-        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        assert stats.num_free_device_blocks == stats.num_device_blocks
 
     asyncio.run(scenario())

@@ -20,7 +20,7 @@ import raytp.llm
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.controller import EngineLoop
 from cluster.engine import EngineDeadError, LLMEngine
-from cluster.executor import Executor
+from cluster.executor import Executor, check_rank_method
 from model_exec.config import ModelConfig
 from raytp import LLM, LoRAError, LoRARequest, SamplingParams
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
@@ -31,7 +31,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 class FakeExecutor(Executor):
-    """Ranks that hold adapters by id and answer every sample with token 7 + the sequence's adapter id."""
+    """One rank that holds adapters by id and answers every sample with token 7 + the sequence's adapter id.
+    `collective_rpc` calls the Worker method of that name on this fake rank (its methods below)."""
 
     def __init__(self, config: ResolvedEngineConfig, model_config: ModelConfig) -> None:
         self.loaded: dict[int, LoRARequest] = {}
@@ -40,6 +41,12 @@ class FakeExecutor(Executor):
         self.step_loras: list[set[int]] = []
         self.fail_next_load: Exception | None = None
         self.load_seconds = 0.0
+
+    def collective_rpc(
+        self, method: str, *args: Any, ranks: Any = None, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        check_rank_method(method)
+        return [getattr(self, method)(*args, **kwargs)]
 
     def determine_num_blocks(self) -> tuple[int, int]:
         return 64, 16
@@ -274,7 +281,7 @@ def test_engine_loop_loads_on_its_step_thread(
 
     async def scenario() -> None:
         info = await loop.model_info()
-        assert (info["enable_lora"], info["max_loras"], info["max_lora_rank"]) == (True, 2, 16)
+        assert (info.enable_lora, info.max_loras, info.max_lora_rank) == (True, 2, 16)
         with pytest.raises(LoRAError, match="rank 32 is over max_lora_rank"):
             await loop.add_lora(adapters["big"])
         with pytest.raises(LoRAError, match="'missing'"):
@@ -304,7 +311,7 @@ def test_engine_loop_loads_on_its_step_thread(
         assert await loop.add_lora(adapters["chat"]) is False  # waited for the load in flight
         assert list(ex.loaded) == [1, 2] and [a.lora_int_id for a in await loop.list_loras()] == [1, 2]
         stats = await loop.get_stats()
-        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        assert stats.num_free_device_blocks == stats.num_device_blocks
         await loop.shutdown()
 
     asyncio.run(scenario())

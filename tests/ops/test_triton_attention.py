@@ -163,7 +163,7 @@ def _fake_machine(monkeypatch: pytest.MonkeyPatch, installed: set[str]) -> None:
         ({"flash_attn", "triton", "xformers"}, torch.float16, 256, "flash_attn", "usable here"),
         ({"flash_attn", "triton", "xformers"}, torch.bfloat16, 16, "triton", "multiple of 256; block_size is 16"),
         ({"flash_attn", "triton"}, torch.float32, 256, "triton", "float16 and bfloat16 only"),
-        ({"triton", "xformers"}, torch.bfloat16, 16, "triton", "flash_attn package is not importable"),
+        ({"triton", "xformers"}, torch.bfloat16, 256, "triton", "flash_attn package is not importable"),
         ({"xformers"}, torch.bfloat16, 16, "torch", "triton package is not importable"),
     ],
 )
@@ -203,7 +203,9 @@ def test_auto_block_size_and_backend_are_chosen_together(
     _fake_machine(monkeypatch, installed)
     config = resolve_config(EngineConfig(device="cuda", dtype=dtype), model)
     assert config.block_size == expected_block
-    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16  # resolve_dtype on CUDA
+    assert config.dtype == ("float32" if dtype == "float32" else "bfloat16")  # the tiny config's: float32
+    assert config.shard.attention_candidates[0] == expected_backend
+    torch_dtype = getattr(torch, config.dtype)
     assert get_attn_backend("auto", "cuda", torch_dtype, config.block_size).name == expected_backend
 
 
@@ -225,7 +227,7 @@ def test_triton_is_refused_off_cuda() -> None:
 
 def test_triton_needs_a_float_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_machine(monkeypatch, {"triton"})
-    with pytest.raises(ValueError, match="float16, bfloat16 and float32; the dtype is torch.float64"):
+    with pytest.raises(ValueError, match="float32, float16 and bfloat16 only; the dtype is float64"):
         get_attn_backend("triton", "cuda", torch.float64, 16)
 
 

@@ -23,6 +23,7 @@ import ray
 import requests
 from ray import serve
 
+from cluster.loop_records import LoopStats, ModelInfo
 from raytp.openai.request_id import enable_proxy_guard
 from raytp.serve.app import build_app
 from raytp.serve.haproxy_env import release
@@ -48,23 +49,23 @@ class LiveServer:
     def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, timeout=300)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> LoopStats:
         """The engine's get_stats, from the deployment that hosts it."""
         handle = serve.get_deployment_handle(self.engine_deployment, APP)
-        result: dict[str, Any] = handle.get_stats.remote().result(timeout_s=30)
+        result: LoopStats = handle.get_stats.remote().result(timeout_s=30)
         return result
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         handle = serve.get_deployment_handle("OpenAIIngress", APP)
-        result: dict[str, Any] = handle.model_info.remote().result(timeout_s=30)
+        result: ModelInfo = handle.model_info.remote().result(timeout_s=30)
         return result
 
-    def wait_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:
+    def wait_idle(self, timeout_s: float = 60.0) -> LoopStats:
         """Stats once no request is in flight and every device KV block is free again."""
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.stats()
-            if st["num_requests"] == 0 and st["num_free_device_blocks"] == st["num_device_blocks"]:
+            if st.idle:
                 return st
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout_s} s: {st}")

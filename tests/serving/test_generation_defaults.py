@@ -31,7 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _post(server: LiveServer, route: str, body: dict[str, Any]) -> dict[str, Any]:
-    resp = requests.post(server.url(route), json={"model": server.model_info()["model"], **body}, timeout=120)
+    resp = requests.post(server.url(route), json={"model": server.model_info().model, **body}, timeout=120)
     assert resp.status_code == 200, resp.text
     out: dict[str, Any] = resp.json()
     return out
@@ -43,7 +43,7 @@ def _chat(server: LiveServer, **fields: Any) -> tuple[str, int]:
 
 
 def test_chat_fields_left_unset_take_the_models_defaults(server: LiveServer) -> None:
-    assert server.model_info()["generation_defaults"] == {**DEFAULTS, "max_tokens": MAX_NEW}
+    assert server.model_info().generation_defaults == {**DEFAULTS, "max_tokens": MAX_NEW}
     implicit, n = _chat(server)
     assert n == MAX_NEW  # the model's max_new_tokens, not "as many as fit"
     assert _chat(server, **DEFAULTS, max_tokens=MAX_NEW) == (implicit, n)

@@ -104,7 +104,7 @@ def server() -> Any:
 
 @pytest.fixture(scope="module")
 def engine_pid(server: LiveServer) -> int:
-    pid: int = server.stats()["pid"]
+    pid: int = server.stats().pid
     return pid
 
 
@@ -157,7 +157,7 @@ def test_hostile_spec_is_a_4xx_and_nobody_else_notices(server: LiveServer, engin
     print(f"\n{case}: {resp.status_code} in {seconds:.2f} s")
     assert stream_tokens == STREAM_TOKENS
     stats = server.wait_idle()  # every device KV block free again
-    assert stats["pid"] == engine_pid and stats["healthy"]
+    assert stats.pid == engine_pid and stats.healthy
 
 
 def test_the_crash_was_contained_in_the_compile_worker(server: LiveServer, engine_pid: int) -> None:
@@ -167,8 +167,8 @@ def test_the_crash_was_contained_in_the_compile_worker(server: LiveServer, engin
     resp, _, _ = hostile_beside_a_stream(server, CASES["grammar-crashes-llguidance"][0])
     assert resp.status_code == 400 and "crashed" in resp.json()["error"]["message"]
     after = server.stats()
-    assert after["grammar_worker_restarts"] == before["grammar_worker_restarts"] + 1
-    assert after["grammar_worker_pid"] != before["grammar_worker_pid"] and after["pid"] == engine_pid
+    assert after.grammar_worker_restarts == before.grammar_worker_restarts + 1
+    assert after.grammar_worker_pid != before.grammar_worker_pid and after.pid == engine_pid
     body = {"model": MODEL, "messages": ASK, "max_tokens": 3, "guided_choice": ["yes", "no"]}
     reply = requests.post(server.url("/v1/chat/completions"), json=body, timeout=60).json()
     assert reply["choices"][0]["message"]["content"] in ("yes", "no")
@@ -190,4 +190,4 @@ def test_legal_but_awkward_specs_are_served(server: LiveServer, engine_pid: int,
     t0 = time.perf_counter()
     assert requests.post(server.url("/v1/chat/completions"), json=body, timeout=120).status_code == 200
     print(f"\n{case}: 200 in {time.perf_counter() - t0:.2f} s")
-    assert server.wait_idle()["pid"] == engine_pid
+    assert server.wait_idle().pid == engine_pid

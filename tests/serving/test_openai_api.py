@@ -332,9 +332,9 @@ def test_50_streams_cut_midway_free_every_block(server: LiveServer, llm: LLM) ->
     counts = asyncio.run(main())
     assert counts == [2 + i % 5 for i in range(50)]  # every stream was cut after a few tokens of 400
     after = server.wait_idle(timeout_s=60)
-    assert after["num_running"] == after["num_waiting"] == after["num_swapped"] == 0
+    assert after.num_running == after.num_waiting == after.num_swapped == 0
     # The requests were aborted, not run to their 400 tokens: at most a few steps went on after each cut.
-    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    generated = after.generation_tokens_total - before.generation_tokens_total
     assert generated < 50 * 400 // 4, generated
     # ... and the server still answers correctly
     resp = server.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
@@ -372,9 +372,9 @@ def test_a_stop_string_ends_its_sample_in_the_engine_at_once(server: LiveServer)
     free = client.completions.create(**kw, extra_body={"ignore_eos": True})
     first, second = (c.text for c in sorted(free.choices, key=lambda c: c.index))
     stop = next(first[:k] for k in range(3, len(first)) if first[:k] not in second)
-    before = server.wait_idle()["generation_tokens_total"]
+    before = server.wait_idle().generation_tokens_total
     resp = client.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True})
-    generated = server.wait_idle()["generation_tokens_total"] - before
+    generated = server.wait_idle().generation_tokens_total - before
     by_index = {c.index: c for c in resp.choices}
     assert by_index[0].finish_reason == "stop" and by_index[1].finish_reason == "length"
     assert resp.usage is not None and generated == resp.usage.completion_tokens < 2 * 48

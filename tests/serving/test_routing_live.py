@@ -9,6 +9,7 @@ import pytest
 import requests
 from ray import serve
 
+from cluster.loop_records import LoopStats
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.serving.live_server import APP, LiveServer, live_server
 
@@ -25,15 +26,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield s
 
 
-def replica_stats() -> list[dict[str, Any]]:
+def replica_stats() -> list[LoopStats]:
     """get_stats of both replicas. A handle cannot name a replica; calls other than `generate` go to a
     random one, so 40 calls reach both unless one is missed 40 times (2**-39). Replicas are told apart by
     their counters, which differ once either has served a request."""
     handle = serve.get_deployment_handle("LLMServer", APP)
-    seen: dict[tuple[int, ...], dict[str, Any]] = {}
+    seen: dict[tuple[int, ...], LoopStats] = {}
     for _ in range(40):
-        st: dict[str, Any] = handle.get_stats.remote().result(timeout_s=30)
-        seen[(st["prompt_tokens_total"], st["generation_tokens_total"], st["prefix_cache_queries"])] = st
+        st: LoopStats = handle.get_stats.remote().result(timeout_s=30)
+        seen[(st.prompt_tokens_total, st.generation_tokens_total, st.prefix_cache_queries)] = st
     return list(seen.values())
 
 
@@ -48,9 +49,9 @@ def test_a_conversation_stays_on_one_replica_and_hits_its_prefix_cache(server: L
         history += r.json()["choices"][0]["text"] + "\n"
     stats = replica_stats()
     assert len(stats) == 2, f"expected two distinct replicas, got {stats}"
-    served = [s for s in stats if s["prompt_tokens_total"] > 0]
+    served = [s for s in stats if s.prompt_tokens_total > 0]
     assert len(served) == 1, f"the conversation was split over the replicas: {stats}"
     (st,) = served
     # Turns 2-4 find at least the previous turn's full prompt blocks cached (turn 1's prompt is 128 bytes).
-    assert st["prefix_cache_hits"] >= 3 * 128 // 16 * 16, st
-    assert st["prefix_cache_hit_rate"] > 0.4, st
+    assert st.prefix_cache_hits >= 3 * 128 // 16 * 16, st
+    assert st.prefix_cache_hit_rate > 0.4, st

@@ -60,7 +60,7 @@ def test_answers_come_from_the_llmserver_replica(server: LiveServer, expected: s
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected
     stats = server.wait_idle()  # from LLMServer: the ingress hosts no engine
-    assert stats["num_device_blocks"] > 0 and stats["generation_tokens_total"] >= 8
+    assert stats.num_device_blocks > 0 and stats.generation_tokens_total >= 8
     with pytest.raises(RuntimeError, match="hosts no engine"):
         serve.get_deployment_handle("OpenAIIngress", APP).get_stats.remote().result(timeout_s=30)
 

@@ -32,7 +32,7 @@ def llm(small_engine_llm: LLM) -> LLM:
 
 
 def test_tp3_endpoint_greedy_equals_tp1(server: LiveServer, llm: LLM) -> None:
-    assert server.model_info()["tensor_parallel_size"] == 3
+    assert server.model_info().tensor_parallel_size == 3
     prompts = PROMPTS[:5]
     resp = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
     expected = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)

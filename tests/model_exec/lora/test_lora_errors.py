@@ -1,5 +1,5 @@
 """Adapters a rank cannot serve are refused with a LoRAError naming the adapter and the cause, and the rank's
-adapters stay as they were; the rank's add / remove / list API (ModelShard, which Worker forwards to)."""
+adapters stay as they were; the rank's add / remove / list API (Worker's, over its shard's LoRAManager)."""
 
 from __future__ import annotations
 
@@ -122,19 +122,24 @@ def test_bad_adapters_are_refused_by_name_and_change_nothing(setup: tuple[Path, 
     assert_logits_match(ours, hf_prefill_logits(hf_merged_model(model, good), PREFILL_PROMPTS))
 
 
-def test_shard_add_remove_list(setup: tuple[Path, str, str], tmp_path: Path) -> None:
-    from model_exec.shard import ModelShard
+def test_rank_add_remove_list(setup: tuple[Path, str, str], tmp_path: Path) -> None:
+    from cluster.config import EngineConfig
+    from cluster.engine import resolve_config
+    from cluster.worker import Worker
     from model_exec.source import read_model_config, resolve_model
 
     root, model, good = setup
     other = make_peft_adapter(model, tmp_path / "other", rank=4, seed=5, targets=("q_proj", "v_proj"))
-    source = resolve_model(model)
+    model_config = read_model_config(resolve_model(model))
 
-    def shard(enable_lora: bool) -> ModelShard:
-        return ModelShard(
-            source, read_model_config(source), rank=0, world_size=1, dist_init_method=None, device="cpu",
-            dtype="float32", attention_backend="torch", block_size=4, enable_lora=enable_lora, max_loras=2,
+    def shard(enable_lora: bool) -> Worker:
+        config = EngineConfig(
+            model=model, device="cpu", dtype="float32", attention_backend="torch", block_size=4,
+            enable_lora=enable_lora, max_loras=2,
         )  # fmt: skip
+        worker = Worker(resolve_config(config, model_config), model_config)
+        worker.load_model()
+        return worker
 
     rank = shard(enable_lora=True)
     assert rank.list_loras() == []
@@ -142,8 +147,8 @@ def test_shard_add_remove_list(setup: tuple[Path, str, str], tmp_path: Path) -> 
     rank.add_lora(LoRARequest("good", 3, good))
     assert rank.list_loras() == [3, 7]
     rank.add_lora(LoRARequest("good-again", 7, good))  # an id already loaded is replaced
-    assert rank.lora is not None
-    o_proj = rank.lora.layers["model.layers.0.self_attn.o_proj"].lora
+    assert rank.shard is not None and rank.shard.lora is not None
+    o_proj = rank.shard.lora.layers["model.layers.0.self_attn.o_proj"].lora
     assert o_proj is not None and 7 in o_proj.adapters  # `other` had no o_proj; `good` has
     assert rank.remove_lora(7) is True and rank.remove_lora(7) is False
     assert rank.list_loras() == [3] and 7 not in o_proj.adapters
