@@ -155,6 +155,7 @@ class GrammarCompileWorker:
 
 def _serve() -> None:
     import llguidance
+    import llguidance.numpy as llg_np
 
     from cluster.structured_output import to_grammar
 
@@ -177,9 +178,13 @@ def _serve() -> None:
                 raise RequestError(
                     f"{spec.field}: the {spec.kind} constraint cannot be compiled: {matcher.get_error()}", spec.field
                 )
-            if matcher.is_stopped() and not matcher.is_accepting():
-                # e.g. `start: x` / `x: x x`: no terminal, no string; a sample could only fail at its first token
-                raise RequestError(f"{spec.field}: the {spec.kind} constraint matches no text at all.", spec.field)
+            # The first mask, here too: a grammar whose language is empty (`start: x` / `x: x x`, no terminal)
+            # puts the matcher in error (NoExtensionBias) or allows no token, and a sample would fail at once.
+            mask = llg_np.allocate_token_bitmask(1, init["n_vocab"])
+            llg_np.fill_next_token_bitmask(matcher, mask, 0)
+            if matcher.is_error() or not mask.any():
+                why = "it matches no text at all" if not mask.any() else matcher.get_error()
+                raise RequestError(f"{spec.field}: the {spec.kind} constraint cannot be compiled: {why}", spec.field)
             _write(out, {"grammar": grammar})
         except (RequestError, ValueError, TypeError) as e:
             _write(out, {"error": str(e)})

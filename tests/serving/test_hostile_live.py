@@ -57,9 +57,10 @@ TAG = {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}
 CASES: dict[str, tuple[dict[str, Any] | str, str]] = {
     "ref-chain-5000": (json_schema(ref_chain(5000)), "response_format"),  # killed the replica before
     "nested-120": (json_schema(nested(120)), "response_format"),
-    # JSON text: 1,040 levels, past what Python's json module encodes or decodes (a 500 before issue 36)
+    # JSON text of 600 levels (the client's json.dumps is not used: it recurses). Deeper bodies meet the
+    # server's body parser first, whose recursion limit depends on its stack: a 400 naming no field.
     "deep-no-additional": (
-        '{"structured_outputs":{"disable_additional_properties":true,"json":' + nested_text(520) + "}}",
+        '{"structured_outputs":{"disable_additional_properties":true,"json":' + nested_text(300) + "}}",
         "structured_outputs",
     ),
     "wide-5000-optional": (
@@ -74,7 +75,6 @@ CASES: dict[str, tuple[dict[str, Any] | str, str]] = {
     "choice-10k": ({"guided_choice": [f"c{i}" for i in range(10_000)]}, "guided_choice"),
     "regex-100k": ({"guided_regex": "(a|b)" * 20_000}, "guided_regex"),
     "grammar-crashes-llguidance": ({"guided_grammar": chain_grammar(3000)}, "guided_grammar"),
-    "grammar-ambiguous-unterminated": ({"guided_grammar": "start: x\nx: x x | x x x | x\n"}, "guided_grammar"),
     "tag-begin-not-string": (
         {"structured_outputs": {"structural_tag": {"structures": [{**TAG, "begin": 7}], "triggers": ["<f"]}}},
         "structured_outputs",
