@@ -33,9 +33,9 @@ from model_exec.config import ModelConfig
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner
 from model_exec.parallel import TPGroup
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 from scheduler.outputs import CachedSeqData, NewSeqData, SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 from tests.helpers.tiny_models import make_kv_caches
 
 BLOCK = 16

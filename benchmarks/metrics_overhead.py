@@ -46,7 +46,7 @@ class EngineBench:
 
     def run(self) -> dict[str, list[float]]:
         """One round: `batch` fresh requests decoded to the end; per decode step, (step s, recording s)."""
-        from scheduler.sampling_params import SamplingParams
+        from request.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=self.steps, ignore_eos=True, temperature=0.8, seed=0)
         self.round += 1

@@ -74,8 +74,8 @@ def measure(llm: Any, batch: int, steps: int, seed: int) -> Figures:
 
 def prefill_bytes(batch: int) -> int:
     """Pickled size of a step that admits `batch` new PROMPT_LEN-token requests (they travel in full)."""
+    from request.sampling_params import SamplingParams
     from scheduler.outputs import NewSeqData, SchedulerOutput
-    from scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     so = SchedulerOutput(

@@ -16,7 +16,7 @@ import time
 import torch
 
 from model_exec.sampler import Sampler, SamplingMetadata
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 
 
 def make_meta(rows: int, params: SamplingParams) -> SamplingMetadata:

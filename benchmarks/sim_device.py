@@ -27,7 +27,7 @@ from cluster.config import ResolvedEngineConfig
 from cluster.engine import LLMEngine
 from cluster.executor import Executor, check_rank_method
 from model_exec.config import ModelConfig
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
 
 
@@ -132,7 +132,7 @@ def sim_engine(model: str, rows: int, device: SimulatedDevice, async_scheduling:
 
 
 def add_rows(engine: LLMEngine, rows: int, max_tokens: int, prompt_len: int = 16) -> None:
-    from scheduler.sampling_params import SamplingParams
+    from request.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(rows):

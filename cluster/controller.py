@@ -58,9 +58,9 @@ from cluster.engine import EngineDeadError, LLMEngine, LoRAOp, make_executor
 from cluster.engine_telemetry import EngineTelemetry
 from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
+from request.sampling_params import SamplingParams
 from scheduler.outputs import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

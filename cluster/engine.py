@@ -31,11 +31,11 @@ from kv import BlockManager
 from model_exec.config import ModelConfig
 from model_exec.generation_config import sampling_defaults
 from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
-from scheduler.errors import RequestError
-from scheduler.lora import NO_LORA, LoRAError, LoRARequest
+from request.check import RequestLimits, check_request
+from request.errors import RequestError
+from request.lora import NO_LORA, LoRAError, LoRARequest
+from request.sampling_params import SamplingParams
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from scheduler.request_check import RequestLimits, check_request
-from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceGroup, SequenceStatus
 

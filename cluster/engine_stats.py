@@ -25,8 +25,8 @@ from cluster.lora_registry import LoadedAdapters
 from cluster.metrics.stats import FinishedRequestStats, FinishReason, IterationStats, LoRAStats, SchedulerStats
 from cluster.outputs import RequestDelta, RequestMetrics
 from kv import BlockManager
+from request.sampling_params import SamplingParams
 from scheduler.outputs import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 
 _REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}

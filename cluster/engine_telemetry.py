@@ -24,8 +24,8 @@ from cluster.metrics.ray_metrics import EngineMetrics
 from cluster.metrics.stats import IterationStats
 from cluster.outputs import RequestDelta
 from cluster.ray_executor import RankFailedError
+from request.sampling_params import SamplingParams
 from scheduler.outputs import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 
 
 class EngineTelemetry:

@@ -31,8 +31,8 @@ import threading
 import time
 from typing import IO, Any
 
-from scheduler.errors import RequestError
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.errors import RequestError
+from request.structured_outputs import StructuredOutputsParams
 
 # A compile the child has not answered in this long is killed and refused: llguidance's parser limits
 # bound a compile to well under a second on a sane spec (docs/openai_contract.md, limits).

@@ -14,7 +14,7 @@ Torch-free: the controller holds it.
 from __future__ import annotations
 
 from model_exec.lora.peft_config import read_adapter_config
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
 
 NOT_ENABLED = "LoRA is not enabled (start with enable_lora / --enable-lora)"
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from cluster.detokenizer import DetokState, IncrementalDetokenizer
 from cluster.outputs import Logprob, PositionLogprobs, PromptInfo, RequestDelta, RequestMetrics, SampleDelta
+from request.sampling_params import SamplingParams
 from scheduler.outputs import TokenLogprobs
-from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceGroup
 
 

@@ -42,7 +42,7 @@ from cluster.placement import create_placement_group, new_group_name, worker_bun
 from cluster.ray_utils import ensure_ray, env_float
 from cluster.worker import NodeInfo, Worker
 from model_exec.config import ModelConfig
-from scheduler.errors import RequestError
+from request.errors import RequestError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ Compilation: a spec compiles once into a template matcher (grammar built, lexer 
 spec's canonical key; each sample gets a deep copy. Compiles run on a thread of their own (llguidance
 drops the GIL while it builds), so the engine loop never waits for one: the serving path awaits `prepare`
 before it adds the request, and a spec that does not compile is a RequestError naming the request field.
-Hostile specs meet three walls: the spec's bounds (scheduler/structured_limits.py: depth with refs
+Hostile specs meet three walls: the spec's bounds (request/structured_limits.py: depth with refs
 expanded, size, enums, regex and grammar lengths) before any library runs; the compile worker
 (cluster/grammar_worker.py), a child process that builds the grammar and a matcher first, so a native
 crash kills it and not this process (the spec is a 400, the child is replaced); and llguidance's parser
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cluster.grammar_worker import GrammarCompileWorker
-from scheduler.errors import RequestError
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.errors import RequestError
+from request.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance
@@ -83,7 +83,7 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
 
 def _no_additional_properties(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that does not say otherwise.
-    Iterative (an explicit stack): the spec's depth is bounded (scheduler/structured_limits.py), but no
+    Iterative (an explicit stack): the spec's depth is bounded (request/structured_limits.py), but no
     walk over a user's schema recurses in Python."""
     root: list[Any] = [None]
     stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]  # (source node, parent copy, key in the parent)
@@ -109,7 +109,7 @@ def _structural_tag_grammar(tag: dict[str, Any]) -> str:
     import llguidance
 
     # The shape (non-empty lists, string begin/end/triggers, object schemas) was checked when the spec was
-    # made (scheduler/structured_outputs.py), so what is read here exists and has its type.
+    # made (request/structured_outputs.py), so what is read here exists and has its type.
     structures, triggers = tag["structures"], tag["triggers"]
     tags = []
     for s in structures:

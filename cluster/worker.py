@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from cluster.config import ResolvedEngineConfig, default_kv_cache_bytes
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:

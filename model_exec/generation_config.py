@@ -88,8 +88,8 @@ def sampling_defaults(src: ModelSource, setting: str) -> dict[str, Any]:
     if gen.get(MAX_NEW_TOKENS) is not None:
         out["max_tokens"] = gen[MAX_NEW_TOKENS]
     if out:
-        from scheduler.errors import RequestError
-        from scheduler.sampling_params import SamplingParams
+        from request.errors import RequestError
+        from request.sampling_params import SamplingParams
 
         try:
             SamplingParams(**out)

@@ -33,8 +33,8 @@ from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.sampler import Sampler, SamplingMetadata
 from ops.attention.base import AttentionMetadata
+from request.sampling_params import SamplingParams
 from scheduler.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
-from scheduler.sampling_params import SamplingParams
 
 # The profile step's sampler pass: the heaviest per-row work the sampler does (penalties count tokens over
 # [rows, V], top-p may sort whole rows, logprobs keep a [rows, V] log_softmax), so its temporaries are in

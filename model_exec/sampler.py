@@ -38,8 +38,8 @@ from itertools import chain
 
 import torch
 
+from request.sampling_params import SamplingParams
 from scheduler.outputs import SeqSample, TokenLogprobs
-from scheduler.sampling_params import SamplingParams
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS); dividing by them would overflow fp32.
 _GREEDY_TEMPERATURE = 1e-5

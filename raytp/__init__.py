@@ -15,10 +15,10 @@ from cluster.config import EngineConfig
 from cluster.engine import EngineDeadError
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from raytp.llm import LLM
-from scheduler.errors import RequestError
-from scheduler.lora import LoRAError, LoRARequest
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.errors import RequestError
+from request.lora import LoRAError, LoRARequest
+from request.sampling_params import SamplingParams
+from request.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",

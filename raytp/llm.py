@@ -12,8 +12,8 @@ from cluster.config import EngineConfig
 from cluster.engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput, RequestOutputBuilder
 from raytp.chat_template import render_chat
-from scheduler.lora import LoRARequest
-from scheduler.sampling_params import SamplingParams
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one per prompt
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 
 # The asynchronous step (cluster/async_step.py) schedules a step before the previous step's samples are known:
 # each sequence that step samples carries this id as its newest token until the sample arrives. Workers
@@ -39,7 +39,7 @@ class NewSeqData:
     sampling_params: SamplingParams  # the request's params (rank 0 samples with them)
     seed: int  # the sequence's RNG seed (request seed or engine-drawn), combined with the step for noise
     sample_index: int  # which of the request's best_of samples this sequence is (seeds differ per sample)
-    lora_id: int = 0  # the request's LoRARequest.lora_int_id (scheduler/lora.py); 0 (NO_LORA): the base model
+    lora_id: int = 0  # the request's LoRARequest.lora_int_id (request/lora.py); 0 (NO_LORA): the base model
 
 
 @dataclass

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from kv import AllocStatus, BlockManager
 from kv.prefix_cache import salt_of
+from request.lora import NO_LORA
+from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.constraint import TokenConstraint
-from scheduler.lora import NO_LORA
 from scheduler.outputs import PLACEHOLDER_TOKEN, CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -11,10 +11,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from request.lora import NO_LORA
+from request.sampling_params import SamplingParams
 from scheduler.constraint import TokenConstraint
-from scheduler.lora import NO_LORA
 from scheduler.outputs import TokenLogprobs
-from scheduler.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

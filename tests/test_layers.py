@@ -1,6 +1,6 @@
 """Imports point down the layers (DESIGN.md), checked on every file of every first-party package:
 
-    serve_app.py -> raytp -> cluster -> model_exec -> scheduler -> kv -> ops
+    serve_app.py -> raytp -> cluster -> model_exec -> scheduler -> kv -> ops -> request
 
 A module may import its own layer or any below it, never one above. Imports under `if TYPE_CHECKING:`
 are exempt (they never run); imports inside functions count (they run when called). Parsed with `ast`,
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("serve_app", "raytp", "cluster", "model_exec", "scheduler", "kv", "ops")  # top first
+LAYERS = ("serve_app", "raytp", "cluster", "model_exec", "scheduler", "kv", "ops", "request")  # top first
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 

@@ -1,7 +1,7 @@
 """Architecture and hygiene rules from DESIGN.md, checked on every CI run.
 
 - Imports point down the layers: tests/test_layers.py.
-- The control plane imports no torch: the controller, the HTTP ingress and handlers, scheduler/ and kv/.
+- The control plane imports no torch: the controller, the HTTP ingress and handlers, scheduler/, kv/ and request/.
 - ruff and mypy pass with the settings in pyproject.toml.
 """
 
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTROL_PLANE = [
     "scheduler.scheduler",
     "kv",
+    "request",
     "cluster.engine",
     "cluster.controller",
     "cluster.ray_executor",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.lora import LoRAError
+from request.lora import LoRAError
 
 _LORA_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
 

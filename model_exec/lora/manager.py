@@ -22,7 +22,7 @@ from model_exec.lora.peft_config import AdapterConfig, read_adapter_config
 from model_exec.lora.sharding import Piece, column_weights, row_weights
 from model_exec.lora.slots import LoRASlots, LoRAWeights
 from model_exec.models.loading import CheckpointLoader
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
 
 logger = logging.getLogger(__name__)
 

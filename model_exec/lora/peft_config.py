@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

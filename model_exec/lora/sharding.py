@@ -20,7 +20,7 @@ from model_exec.layers import cpu_gemm
 from model_exec.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, shard_of
 from model_exec.lora.checkpoint import ModulePair
 from model_exec.lora.slots import LoRAWeights
-from scheduler.lora import LoRAError
+from request.lora import LoRAError
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from raytp.openai.errors import OpenAIError, bad_request, to_openai_error
 from raytp.openai.models import Adapter, ServedModels
 from raytp.openai.protocol import SamplingFields
 from raytp.openai.routes import ROUTES_BY_PATH, handlers
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 
 CONTROLLER_PREFIX = "raytp-batch-engine-"
 ENGINE_START_ATTEMPTS = 3

@@ -35,7 +35,7 @@ from raytp.batch.output import is_failure, write_final
 from raytp.batch.status import BatchStatus, status_path_for
 from raytp.openai.chat_settings import ChatSettings
 from raytp.serve.args import LoRAModule
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 MAX_PASSES = 3  # a pass redoes the rows whose replica died in the one before

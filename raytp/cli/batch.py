@@ -57,7 +57,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from raytp.batch.models_file import read_models_file
     from raytp.batch.runner import BatchJob, BatchModel, BatchRefused, run_batch, validate_only
     from raytp.serve.args import LoRAModule
-    from scheduler.lora import LoRARequest
+    from request.lora import LoRARequest
 
     engine = dataclasses.replace(engine_config_from_args(args), model=args.model)
     try:

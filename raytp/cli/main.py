@@ -16,7 +16,7 @@ from typing import Any
 from raytp.cli.args import add_engine_args, engine_config_from_args
 from raytp.cli.batch import add_batch_parser
 from raytp.cli.serve import add_serve_parser
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 
 # this command's own defaults of the fields a model's generation_config.json may set (greedy, 64 tokens)
 _CLI_DEFAULTS: dict[str, Any] = {

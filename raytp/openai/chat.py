@@ -39,8 +39,8 @@ from raytp.openai.protocol import (
 from raytp.openai.requests import requested_max_tokens, resolve_max_tokens, to_sampling_params, truncate_prompt
 from raytp.openai.stream import RequestStream
 from raytp.openai.tools import ToolPlan, plan_tools
-from scheduler.errors import RequestError
-from scheduler.sampling_params import SamplingParams
+from request.errors import RequestError
+from request.sampling_params import SamplingParams
 
 _REASONING_TAIL_TOKENS = 32
 

@@ -31,9 +31,9 @@ from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import bad_request
 from raytp.openai.protocol import ChatMessageIn
 from raytp.openai.stream import RequestStream
-from scheduler.errors import PromptTooLongError
-from scheduler.lora import LoRARequest
-from scheduler.sampling_params import SamplingParams
+from request.errors import PromptTooLongError
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

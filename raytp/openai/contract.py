@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytp.openai.protocol import ChatCompletionRequest, SamplingFields
-from scheduler.errors import RequestError
+from request.errors import RequestError
 
 
 @dataclass(frozen=True)

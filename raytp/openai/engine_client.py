@@ -23,8 +23,8 @@ from ray.serve.handle import DeploymentResponseGenerator
 from cluster.engine import EngineDeadError
 from cluster.loop_records import ModelInfo
 from cluster.outputs import RequestDelta
-from scheduler.lora import LoRARequest
-from scheduler.sampling_params import SamplingParams
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -18,7 +18,7 @@ import logging
 from fastapi.responses import JSONResponse
 
 from cluster.engine import EngineDeadError
-from scheduler.errors import RequestError
+from request.errors import RequestError
 
 logger = logging.getLogger(__name__)
 

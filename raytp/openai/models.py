@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from raytp.openai.context import ServingContext
 from raytp.openai.errors import OpenAIError, bad_request
 from raytp.openai.protocol import ModelCard
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from typing import Any
 from model_exec.generation_config import SAMPLING_FIELDS
 from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from raytp.openai.structured import ResponseFormat
-from scheduler.errors import RequestError
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.errors import RequestError
+from request.sampling_params import SamplingParams
+from request.structured_outputs import StructuredOutputsParams
 
 # guided_decoding_backend values raytp can honour: its one backend is llguidance ("guidance" in vLLM).
 BACKENDS = ("auto", "guidance", "llguidance")

@@ -14,8 +14,8 @@ from typing import Any
 from cluster.outputs import PromptInfo, RequestDelta, RequestOutput, RequestOutputBuilder
 from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import request_failed
-from scheduler.lora import LoRARequest
-from scheduler.sampling_params import SamplingParams
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 
 
 class RequestStream:

@@ -20,8 +20,8 @@ from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.protocol import ChatTool, NamedToolChoice, ToolFields
 from raytp.openai.tool_parsers import ToolParser, get_tool_parser
 from raytp.openai.tool_parsers.forced import NamedCallParser, RequiredCallsParser
-from scheduler.errors import RequestError
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.errors import RequestError
+from request.structured_outputs import StructuredOutputsParams
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 

@@ -22,7 +22,7 @@ from cluster.config import EngineConfig
 from model_exec.source import DEFAULT_MODEL_NAME
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.guard import DEFAULT_MAX_BODY_BYTES
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 
 API_KEY_ENV = "RAYTP_API_KEY"  # read where the app is built and in each ingress replica
 # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter, honoured as vLLM reads it

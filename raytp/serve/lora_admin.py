@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from raytp.openai.models import Adapter
 from raytp.serve.lora_sync import LoRASync
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

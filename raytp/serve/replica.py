@@ -25,8 +25,8 @@ from cluster.outputs import RequestDelta
 from raytp.openai.errors import EngineOverloadedError
 from raytp.serve.args import ModelArgs
 from raytp.serve.lora_sync import LoRASync
-from scheduler.lora import LoRAError, LoRARequest
-from scheduler.sampling_params import SamplingParams
+from request.lora import LoRAError, LoRARequest
+from request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from raytp import LLM, SamplingParams, StructuredOutputsParams
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 from tests.cluster.test_engine_parity import VARIANTS, tiny_prompts
 from tests.helpers.lora_models import make_peft_adapter
 from tests.helpers.tiny_models import make_tiny_llama

@@ -9,8 +9,8 @@ import pytest
 
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from model_exec.source import load_tokenizer, resolve_model
-from scheduler.errors import RequestError
-from scheduler.structured_outputs import StructuredOutputsParams as Spec
+from request.errors import RequestError
+from request.structured_outputs import StructuredOutputsParams as Spec
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from cluster.detokenizer import IncrementalDetokenizer
 from cluster.output_processor import OutputProcessor, held_back_len
 from cluster.outputs import RequestDelta, RequestOutputBuilder
 from model_exec.source import ModelSource, load_tokenizer
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.helpers.tiny_models import save_byte_tokenizer
 

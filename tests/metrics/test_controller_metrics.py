@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.config import EngineConfig
 from cluster.controller import EngineController
 from cluster.metrics.endpoint import collect, node_metrics_urls
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.metrics.conftest import EXPORT_INTERVAL_MS
 

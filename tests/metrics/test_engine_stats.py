@@ -13,8 +13,8 @@ from cluster.engine import LLMEngine
 from cluster.engine_stats import EngineStatsCollector
 from cluster.metrics.stats import IterationStats, SchedulerStats
 from cluster.outputs import RequestDelta, RequestOutput, RequestOutputBuilder
+from request.sampling_params import SamplingParams
 from scheduler.outputs import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 from tests.helpers.tiny_models import make_tiny_llama
 
 BLOCK = 4

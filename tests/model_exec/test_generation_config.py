@@ -16,7 +16,7 @@ from model_exec.generation_config import sampling_defaults
 from model_exec.source import read_model_config, resolve_model
 from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest
 from raytp.openai.requests import resolve_max_tokens, to_sampling_params
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 from tests.helpers.tiny_models import EOS_ID, make_tiny_llama
 
 SMALL = dict(max_model_len=128, block_size=8, kv_cache_memory_bytes=8 << 20)

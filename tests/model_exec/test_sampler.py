@@ -18,8 +18,8 @@ from model_exec.sampler import (
     race_over_grid,
     race_over_support,
 )
+from request.sampling_params import SamplingParams
 from scheduler.outputs import SeqSample
-from scheduler.sampling_params import SamplingParams
 
 EOS = 0
 

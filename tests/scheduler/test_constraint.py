@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.sampling_params import SamplingParams
+from request.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
 from tests.scheduler.test_scheduler import add, make, run

@@ -13,10 +13,10 @@ import random
 import pytest
 
 from kv import BlockManager
+from request.lora import NO_LORA
+from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.lora import NO_LORA
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
-from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
 

@@ -12,9 +12,9 @@ import random
 import pytest
 
 from kv import BlockManager
+from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
-from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
 

@@ -22,8 +22,8 @@ from raytp.openai.context import ServingContext
 from raytp.openai.errors import OpenAIError
 from raytp.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from raytp.openai.tools import NO_ARGUMENTS
-from scheduler.errors import RequestError
-from scheduler.sampling_params import SamplingParams
+from request.errors import RequestError
+from request.sampling_params import SamplingParams
 from tests.helpers.tiny_models import save_byte_tokenizer
 
 TEMPLATE = (
@@ -278,7 +278,7 @@ def test_refusals_name_the_field(tokenizer: Any, body: dict[str, Any], param: st
 def test_a_tool_choice_constraint_does_not_combine_with_another(tokenizer: Any) -> None:
     from raytp.openai.chat import _with_tools
     from raytp.openai.tools import plan_tools
-    from scheduler.structured_outputs import StructuredOutputsParams
+    from request.structured_outputs import StructuredOutputsParams
 
     plan = plan_tools(ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice="required"), ChatSettings())
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True, field="response_format"))

@@ -33,8 +33,8 @@ from raytp.openai.protocol import (
     StreamOptions,
 )
 from raytp.openai.structured import JsonSchemaFormat, ResponseFormat, StructuredOutputsIn
-from scheduler.sampling_params import SamplingParams
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.sampling_params import SamplingParams
+from request.structured_outputs import StructuredOutputsParams
 from tests.helpers.tiny_models import save_byte_tokenizer
 
 MAX_MODEL_LEN = 64

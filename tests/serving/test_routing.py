@@ -22,8 +22,8 @@ from raytp.serve.routing import (
     rank_replicas,
     request_router_config,
 )
-from scheduler.lora import LoRARequest
-from scheduler.sampling_params import SamplingParams
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 
 RNG = random.Random(0)
 

@@ -19,7 +19,7 @@ from raytp.openai.errors import OpenAIError
 from raytp.openai.models import Adapter, ServedModels
 from raytp.serve.args import RUNTIME_LORA_ENV, LoRAModule, ServeArgs
 from raytp.serve.lora_registry import LoRARegistry
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 
 
 def ctx(name: str) -> ServingContext:

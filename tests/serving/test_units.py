@@ -17,7 +17,7 @@ from raytp.openai.logprobs import chat_logprobs, completion_logprobs
 from raytp.openai.protocol import CompletionRequest
 from raytp.serve.app import build_app
 from raytp.serve.args import ServeArgs
-from scheduler.errors import PromptTooLongError, RequestError
+from request.errors import PromptTooLongError, RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ from model_exec.lora.context import StepLoRA
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner
 from model_exec.parallel import TPGroup
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
+from request.sampling_params import SamplingParams
 from scheduler.outputs import CachedSeqData, NewSeqData, SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 from tests.helpers.family_parity import hf_model
 from tests.helpers.lora_models import hf_merged_model, make_peft_adapter
 from tests.helpers.tiny_models import load_our_model, make_kv_caches, make_tiny_llama

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_exec.lora.manager import LoRAManager
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
 from tests.helpers.family_parity import PREFILL_PROMPTS, assert_logits_match
 from tests.helpers.lora_models import hf_merged_model, make_peft_adapter, our_lora_prefill_logits
 from tests.helpers.tiny_models import hf_prefill_logits, load_our_model, make_tiny_llama

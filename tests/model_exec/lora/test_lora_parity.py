@@ -17,7 +17,7 @@ import torch
 
 from model_exec.lora.manager import LoRAManager
 from model_exec.parallel import TPGroup
-from scheduler.lora import LoRARequest
+from request.lora import LoRARequest
 from tests.helpers.family_parity import PREFILL_PROMPTS, assert_logits_match, hf_model
 from tests.helpers.lora_models import PHI3_TARGETS, hf_merged_model, make_peft_adapter, our_lora_prefill_logits
 from tests.helpers.tiny_models import (

@@ -15,9 +15,9 @@ from cluster.config import EngineConfig
 from cluster.engine import resolve_config
 from cluster.worker import Worker
 from model_exec.source import read_model_config, resolve_model
-from scheduler.lora import LoRAError, LoRARequest
+from request.lora import LoRAError, LoRARequest
+from request.sampling_params import SamplingParams
 from scheduler.outputs import ModelRunnerOutput, NewSeqData, SchedulerOutput
-from scheduler.sampling_params import SamplingParams
 from tests.helpers.family_parity import hf_model
 from tests.helpers.lora_models import hf_merged_model, make_peft_adapter
 from tests.helpers.tiny_models import make_tiny_llama

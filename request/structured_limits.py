@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.errors import RequestError
+from request.errors import RequestError
 
 MAX_SCHEMA_DEPTH = 128  # JSON levels, each $ref expanded and counted as one (serde_json's own limit)
 MAX_SPEC_BYTES = 512 * 1024  # the spec's canonical JSON text (a schema, a structural tag)

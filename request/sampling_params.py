@@ -4,7 +4,7 @@ Mirrors vLLM's `SamplingParams` field names and defaults so users can switch.
 Validation happens in `__post_init__`: every value must be finite and in range, integers must
 fit the engine's int64 tensors, and every failure is a `RequestError` naming the field (`param`),
 which the HTTP layer answers with a 400 by type. Checks that need the model (vocabulary size,
-max_model_len, max_num_seqs) live in `scheduler.request_check`.
+max_model_len, max_num_seqs) live in `request.check`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.errors import RequestError
-from scheduler.structured_outputs import StructuredOutputsParams
+from request.errors import RequestError
+from request.structured_outputs import StructuredOutputsParams
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT32_MAX = (1 << 31) - 1

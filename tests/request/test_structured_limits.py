@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from scheduler import structured_limits as limits
-from scheduler.errors import RequestError
-from scheduler.structured_outputs import StructuredOutputsParams as Spec
+from request import structured_limits as limits
+from request.errors import RequestError
+from request.structured_outputs import StructuredOutputsParams as Spec
 
 
 def ref_chain(n: int, nested: bool = False) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.errors import PromptTooLongError, RequestError
-from scheduler.sampling_params import SamplingParams
+from request.errors import PromptTooLongError, RequestError
+from request.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler import structured_limits as limits
-from scheduler.errors import RequestError
+from request import structured_limits as limits
+from request.errors import RequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.errors import RequestError
+from request.errors import RequestError
 
 NO_LORA = 0  # the lora id of a request without an adapter (vLLM requires lora_int_id > 0)
 
