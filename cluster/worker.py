@@ -95,6 +95,8 @@ class Worker:
             enable_lora=cfg.enable_lora,
             max_loras=cfg.max_loras,
             max_lora_rank=cfg.max_lora_rank,
+            runner=cfg.runner,
+            pooler_config=cfg.pooler_config,
         )
 
     def determine_num_blocks(self, kv_cache_bytes: int | None = None) -> tuple[int, int]:

@@ -23,6 +23,16 @@ class Architecture:
     # applied under config.json's own values. `sliding_window_pattern` n (without `layer_types`): every
     # n-th layer attends in full, the others slide, as HF's Gemma 2/3 configs build `layer_types`.
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # what the architecture serves: "generate" (a decoder: it can also embed, runner="pooling", last-token
+    # pooling over its final hidden states) or "embed" / "score" (pooling only: encoders, cross-encoders)
+    task: str = "generate"
+    # pooling models: the pooling sentence-transformers would apply when the folder has no modules.json
+    default_pooling: str = "LAST"
+
+
+# Fields BERT-style encoders' config.json has no use for in ModelConfig's decoder terms (no RMSNorm, no
+# rope): their model file reads layer_norm_eps and type_vocab_size from `ModelConfig.hf` instead.
+_ENCODER_DEFAULTS: Mapping[str, Any] = {"rms_norm_eps": 1e-12, "hidden_act": "gelu", "tie_word_embeddings": False}
 
 
 # HF's Gemma2Config defaults (transformers 5.24)
@@ -104,6 +114,43 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         "phi3",
         "Phi-3, Phi-4: fused qkv/gate_up checkpoints; partial rotary; longrope; sliding window",
     ),
+    # Pooling models (runner="pooling"; model_exec/models/bert.py, model_exec/models/decoder_embedder.py)
+    "BertModel": Architecture(
+        "bert", "model_exec.models.bert", "BertModel", None,
+        "embeddings; bidirectional attention; pooling from sentence-transformers' files",
+        _ENCODER_DEFAULTS, task="embed", default_pooling="CLS",
+    ),
+    "XLMRobertaModel": Architecture(
+        "xlm-roberta", "model_exec.models.bert", "XLMRobertaModel", None,
+        "embeddings (bge-m3, e5); bidirectional attention; positions from padding_idx + 1",
+        _ENCODER_DEFAULTS, task="embed", default_pooling="CLS",
+    ),
+    "BertForSequenceClassification": Architecture(
+        "bert", "model_exec.models.bert", "BertForSequenceClassification", None,
+        "cross-encoder scores (/v1/score, /v1/rerank): pooler + classifier",
+        _ENCODER_DEFAULTS, task="score", default_pooling="CLS",
+    ),
+    "XLMRobertaForSequenceClassification": Architecture(
+        "xlm-roberta", "model_exec.models.bert", "XLMRobertaForSequenceClassification", None,
+        "cross-encoder scores (bge-reranker): classification head on the first token",
+        _ENCODER_DEFAULTS, task="score", default_pooling="CLS",
+    ),
+    # decoders saved as sentence-transformers folders (base model only, no LM head), last-token pooling
+    "LlamaModel": Architecture(
+        "llama", "model_exec.models.decoder_embedder", "LlamaModel", None, "embeddings, last token",
+        task="embed",
+    ),
+    "Qwen2Model": Architecture(
+        "qwen2", "model_exec.models.decoder_embedder", "Qwen2Model", None, "embeddings (gte-Qwen2), last token",
+        task="embed",
+    ),
+    "Qwen3Model": Architecture(
+        "qwen3", "model_exec.models.decoder_embedder", "Qwen3Model", None, "embeddings (Qwen3-Embedding), last token",
+        task="embed",
+    ),
 }
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
-ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}
+# (generation architectures first: a GGUF `llama` is a LlamaForCausalLM, never a LlamaModel)
+ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {
+    a.model_type: name for name, a in reversed(ARCHITECTURES.items()) if a.task in ("generate", "embed")
+}

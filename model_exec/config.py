@@ -32,7 +32,8 @@ _ROPE_TYPE_ALIASES: Mapping[str, str] = {"su": "longrope"}
 _ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 _DTYPES = ("float32", "float16", "bfloat16")
 # activations model_exec.layers.activation implements (HF's names; its ACT_AND_MUL has one class each)
-HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+# gelu (erf): the encoders' feed-forward (model_exec/models/bert.py), which is not gated
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 # What `model_exec.models` implements (model_exec/architectures.py); checked here, torch-free, so an
 # unsupported model is refused by the controller before any worker starts.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -30,9 +30,11 @@ from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
 from model_exec.lora.manager import LoRAManager
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
+from model_exec.pooler import Pooler
 from model_exec.sampler import Sampler, SamplingMetadata
 from ops.attention.base import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
+from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 
 # The profile step's sampler pass: the heaviest per-row work the sampler does (penalties count tokens over
@@ -52,6 +54,7 @@ class _SeqState:
     seed: int
     sample_index: int
     lora_id: int  # the sequence's adapter (NewSeqData.lora_id); 0: the base model
+    pooling_params: PoolingParams | None = None  # a pooling request (NewSeqData.pooling_params)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)
@@ -98,8 +101,10 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...],
         lora: LoRAManager | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
+        self.pooler = pooler  # runner="pooling": every step pools its rows instead of sampling
         self.lora = lora  # the rank's adapters, with enable_lora only
         self.tp = tp
         self.block_size = block_size
@@ -130,6 +135,7 @@ class ModelRunner:
                 seed=new.seed,
                 sample_index=new.sample_index,
                 lora_id=new.lora_id,
+                pooling_params=new.pooling_params,
             )
             self.seqs[new.seq_id] = state
             rows.append(_Row(new.seq_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
@@ -225,6 +231,8 @@ class ModelRunner:
             raise ValueError("the step runs a LoRA adapter, but this engine was started without enable_lora")
         else:
             hidden = self._forward(host, kv_caches)
+        if self.pooler is not None:
+            return self._pool(rows, hidden, host.starts)
 
         # Which hidden rows need logits: the last token of every row that samples, then the prompt
         # positions whose logprobs were asked for. Same selection on every rank (gather is collective).
@@ -258,6 +266,19 @@ class ModelRunner:
                 logits[offset : offset + count], targets, r.state.params.prompt_logprobs or 0
             )
         return out
+
+    def _pool(self, rows: list[_Row], hidden: torch.Tensor, starts: list[int]) -> ModelRunnerOutput | None:
+        """A pooling step: every row is a whole prompt (no chunked prefill, no prefix cache, no decode)."""
+        assert self.pooler is not None
+        if self.tp.rank != 0:
+            return None
+        params: list[PoolingParams] = []
+        for r in rows:
+            if r.state.pooling_params is None or r.num_computed or r.num_scheduled != len(r.state.prompt_token_ids):
+                raise ValueError(f"sequence {r.seq_id}: a pooling step runs whole prompts of pooling requests only")
+            params.append(r.state.pooling_params)
+        vectors = self.pooler(hidden, starts, params)
+        return ModelRunnerOutput(pooled={r.seq_id: v for r, v in zip(rows, vectors, strict=True)})
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor, so: SchedulerOutput) -> list[SeqSample]:
         meta = SamplingMetadata(

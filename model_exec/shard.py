@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -24,6 +25,8 @@ from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
+from model_exec.pooler import Pooler
+from model_exec.pooling_model import build_pooling_model
 from model_exec.source import ModelSource
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend
@@ -95,12 +98,15 @@ class ModelShard:
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        runner: Literal["generate", "pooling"] = "generate",
+        pooler_config: Mapping[str, Any] | None = None,
     ) -> None:
         """Join the TP group, build this rank's shard on its device and stream its weights in.
 
         max_num_seqs and max_model_len size the CUDA graphs' buffers (max_model_len: the model's own when
         None); enforce_eager turns the graphs off. enable_lora gives the linear layers LoRA slots (adapters
-        are added later, `add_lora`); without it the model is exactly the base model."""
+        are added later, `add_lora`); without it the model is exactly the base model. runner="pooling" builds
+        the pooling model and its head (model_exec/pooling_model.py; `pooler_config` overrides its files)."""
         self.device = torch_device(device)
         self._mem_at_start: MemorySnapshot | None = None
         if self.device.type == "cuda":
@@ -118,14 +124,22 @@ class ModelShard:
             self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
         torch_dtype = resolve_dtype(dtype, model_config, self.device)
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
-        model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
+        pooler: Pooler | None = None
+        if runner == "pooling":
+            model, pooler = build_pooling_model(
+                source, model_config, self.tp, attn_backend, self.device, torch_dtype, pooler_config
+            )
+        else:
+            model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
         model.load_weights(iter_weights(source))
         pack_weights(model, panels=panel_gemm)
         self.lora: LoRAManager | None = None
         if enable_lora:
             assert isinstance(model, CheckpointLoader)  # every registered family is one
             self.lora = LoRAManager(model, max_loras, max_lora_rank)
-        self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora)
+        self.runner = ModelRunner(
+            model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora, pooler
+        )
         self._mem_after_load = take_snapshot(torch.cuda, self.device) if self.device.type == "cuda" else None
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or model_config.max_position_embeddings

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 
 # token id -> (logprob, rank); rank 1 is the most likely token. The sampled token is always present.
@@ -34,6 +35,8 @@ class NewSeqData:
     seed: int  # the sequence's RNG seed (request seed or engine-drawn), combined with the step for noise
     sample_index: int  # which of the request's best_of samples this sequence is (seeds differ per sample)
     lora_id: int = 0  # the request's LoRARequest.lora_int_id (scheduler/lora.py); 0 (NO_LORA): the base model
+    # a pooling request (runner="pooling"): rank 0 pools the prompt's hidden states instead of sampling
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -96,3 +99,6 @@ class ModelRunnerOutput:
     # seq_id -> logprobs for the prompt positions computed this step, in order. Position p's entry scores
     # prompt token p given tokens < p; the very first prompt token has no entry (vLLM returns None for it).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # seq_id -> the pooled result of a pooling request whose whole prompt ran this step: an embedding, or a
+    # cross-encoder's scores (float32 [num_labels]); the scheduler finishes the sequence on it
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)
