@@ -147,6 +147,6 @@ def num_labels(hf: Mapping[str, Any]) -> int:
 def pooling_max_len(architecture: str, hf: Mapping[str, Any], max_position_embeddings: int) -> int:
     """Longest input an encoder's position table takes: XLM-R's positions start at padding_idx + 1."""
     if architecture.startswith("XLMRoberta"):
-        return max_position_embeddings - int(hf.get("pad_token_id", 1)) - 1
+        return max_position_embeddings - int(hf.get("pad_token_id", 1)) - 1  # as models/bert.py indexes
     return max_position_embeddings
 

@@ -136,8 +136,8 @@ class BertModel(CheckpointLoader):
     packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = {"qkv_proj": ("q", "k", "v")}
     # An embedding model's checkpoint may carry BERT's pooler (dense + tanh); only classifiers use it.
     skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "lm_head.", "cls.")
-    # Positions index the table from here (XLM-R: padding_idx + 1)
-    position_offset: ClassVar[int] = 0
+    # XLM-R's positions index the table from padding_idx + 1 (HF: create_position_ids_from_input_ids)
+    positions_after_padding_idx: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
@@ -148,6 +148,7 @@ class BertModel(CheckpointLoader):
         self.embeddings = _Embeddings(config, tp, eps)
         self.encoder = _Encoder(config, tp, eps)
         self.sep_token_id: int | None = None  # set by model_exec/pooling_model.py from the tokenizer
+        self.position_offset = int(config.hf.get("pad_token_id", 1)) + 1 if self.positions_after_padding_idx else 0
 
     def checkpoint_param(self, ckpt_name: str) -> tuple[str, ShardId] | None:
         for prefix in _BASE_PREFIXES:
@@ -194,7 +195,7 @@ class BertModel(CheckpointLoader):
 
 
 class XLMRobertaModel(BertModel):
-    position_offset: ClassVar[int] = 2  # HF: padding_idx (1) + 1 + position
+    positions_after_padding_idx: ClassVar[bool] = True
 
 
 class _BertPooler(nn.Module):

@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers.tiny_models import make_tiny_model
 
-_WORDS = ["the", "cat", "dog", "sat", "on", "mat", "what", "is", "a", "paris", "capital", "of", "france", "berlin"]
+_WORDS = ["the", "cat", "dog", "sat", "on", "mat", "what", "is", "paris", "capital", "of", "france", "berlin"]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *string.digits, ".", ",", "?", "!"]
 VOCAB += [f"##{c}" for c in string.ascii_lowercase + string.digits] + _WORDS
 TEXTS = [
@@ -27,12 +27,14 @@ TEXTS = [
 ]
 
 
-def save_wordpiece_tokenizer(path: Path) -> Any:
+def save_wordpiece_tokenizer(path: Path, token_types: bool = True) -> Any:
+    """`token_types=False`: XLM-R's tokenizers give no token_type_ids (its models have one type)."""
     from transformers import BertTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
+    tok = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True, model_input_names=names)
     tok.save_pretrained(str(path))
     return tok
 
@@ -64,8 +66,8 @@ def _encoder_config(kind: str, **overrides: Any) -> Any:
     )
     if kind == "bert":
         return BertConfig(**{**common, "max_position_embeddings": 128, **overrides})
-    # XLM-R: positions start at pad_token_id + 1, one token type
-    return XLMRobertaConfig(**{**common, "pad_token_id": 1, "max_position_embeddings": 130, "type_vocab_size": 1, **overrides})
+    # XLM-R: positions start at pad_token_id + 1 ([PAD] is 0 in this vocabulary), one token type
+    return XLMRobertaConfig(**{**common, "max_position_embeddings": 130, "type_vocab_size": 1, **overrides})
 
 
 def make_st_encoder(root: Path, kind: str = "bert", pooling: str = "mean", normalize: bool = True, seed: int = 0) -> str:
@@ -80,7 +82,7 @@ def make_st_encoder(root: Path, kind: str = "bert", pooling: str = "mean", norma
     model = (BertModel if kind == "bert" else XLMRobertaModel)(config).eval()
     _randomize(model, seed)
     model.save_pretrained(str(hf_dir))
-    save_wordpiece_tokenizer(hf_dir)
+    save_wordpiece_tokenizer(hf_dir, token_types=kind == "bert")
     modules: list[Any] = [Transformer(str(hf_dir)), Pooling(64, pooling_mode=pooling)]
     if normalize:
         modules.append(Normalize())
@@ -101,6 +103,7 @@ def make_st_decoder(root: Path, seed: int = 0) -> str:
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
     hf_dir = make_tiny_model(root / "hf-qwen3", config, seed)
+    _drop_chat_template(Path(hf_dir))
     modules = [Transformer(hf_dir), Pooling(64, pooling_mode="lasttoken"), Normalize()]
     out = root / "st-qwen3-last"
     SentenceTransformer(modules=modules, device="cpu").save(str(out))
@@ -117,5 +120,17 @@ def make_cross_encoder(root: Path, kind: str = "bert", seed: int = 0) -> str:
     _randomize(model, seed)
     path = root / f"ce-{kind}"
     model.save_pretrained(str(path))
-    save_wordpiece_tokenizer(path)
+    save_wordpiece_tokenizer(path, token_types=kind == "bert")
     return str(path)
+
+
+def _drop_chat_template(path: Path) -> None:
+    """sentence-transformers 6 wraps plain texts in a tokenizer's chat template; embedding folders of plain
+    decoders carry none (the byte tokenizer's is for generation tests)."""
+    import json
+
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("chat_template", None)
+    config_file.write_text(json.dumps(config))
