@@ -29,16 +29,17 @@ _DEFAULT_POOLING_BUDGET = 8192
 def resolve_runner(config: EngineConfig, model_config: ModelConfig) -> str:
     """"generate" or "pooling"; ValueError when the model cannot run the one asked for."""
     task = pooling_task(model_config.architecture)
-    if config.runner == "auto":
-        return "generate" if task == "generate" else "pooling"
-    if config.runner == "generate" and task != "generate":
+    runner = config.runner
+    if runner == "auto":
+        runner = "generate" if task == "generate" else "pooling"
+    if runner == "generate" and task != "generate":
         raise ValueError(
             f"{model_config.architecture} is a pooling model ({'embeddings' if task == 'embed' else 'scores'}), "
             "it cannot generate text: start it with runner='pooling' (--runner pooling)."
         )
-    if config.pooler_config is not None and config.runner != "pooling":
+    if config.pooler_config is not None and runner != "pooling":
         raise ValueError("pooler_config applies to runner='pooling' only.")
-    return config.runner
+    return runner
 
 
 def served_pooling_task(architecture: str) -> str:
