@@ -57,6 +57,7 @@ from cluster.engine_telemetry import EngineTelemetry
 from cluster.outputs import RequestDelta
 from scheduler.lora import LoRAError, LoRARequest
 from scheduler.outputs import SchedulerOutput
+from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here
@@ -136,7 +137,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None,
     ) -> asyncio.Queue[RequestDelta]:
         if self._closed:
@@ -147,7 +148,7 @@ class EngineLoop:
             request_id, {"prompt_token_ids": prompt_token_ids}, params, lora_request=lora_request
         )
         if self._telemetry is not None:
-            self._telemetry.on_add(request_id, params, group.arrival_time)
+            self._telemetry.on_add(request_id, group.sampling_params, group.arrival_time)  # pooling: max_tokens=1
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         if self._loop_task is None or self._loop_task.done():
@@ -305,6 +306,7 @@ class EngineLoop:
             "vocab_size": mc.vocab_size,
             "eos_token_ids": list(mc.eos_token_ids),
             "generation_defaults": dict(self.engine.generation_defaults),
+            "pooling_task": self.engine.pooling_task,  # "embed" | "score" (runner pooling); None: generation
             "block_size": cfg.block_size,
             "num_device_blocks": self.engine.block_manager.num_device_blocks,
             "tensor_parallel_size": cfg.tensor_parallel_size,

@@ -23,6 +23,7 @@ from cluster.device import default_block_size, resolve_device, resolve_executor_
 from cluster.executor import Executor
 from cluster.lora_registry import LoRARegistry
 from cluster.output_processor import OutputProcessor
+from cluster.outputs import RequestDelta
 from cluster.pooling import (
     check_pooling_request,
     pooling_num_blocks,
@@ -30,7 +31,6 @@ from cluster.pooling import (
     resolve_runner,
     served_pooling_task,
 )
-from cluster.outputs import RequestDelta
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig

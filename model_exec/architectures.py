@@ -152,5 +152,5 @@ ARCHITECTURES: Mapping[str, Architecture] = {
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
 # (generation architectures first: a GGUF `llama` is a LlamaForCausalLM, never a LlamaModel)
 ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {
-    a.model_type: name for name, a in reversed(ARCHITECTURES.items()) if a.task in ("generate", "embed")
+    a.model_type: name for name, a in reversed(list(ARCHITECTURES.items())) if a.task in ("generate", "embed")
 }

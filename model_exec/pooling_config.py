@@ -79,7 +79,10 @@ def resolve_pooler_config(
     if override:
         unknown = set(override) - {"pooling_type", "normalize", "activation"}
         if unknown:
-            raise ValueError(f"pooler_config: unsupported field(s) {sorted(unknown)} (supported: pooling_type, normalize)")
+            raise ValueError(
+                f"pooler_config: unsupported field(s) {sorted(unknown)} "
+                "(supported: pooling_type, normalize, activation)"
+            )
         pooling_type = str(override.get("pooling_type", pooling_type)).upper()
         normalize = bool(override.get("normalize", normalize))
         activation = str(override.get("activation", activation))

@@ -13,8 +13,8 @@ from cluster.engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput, RequestOutputBuilder
 from cluster.pooling_outputs import EmbeddingRequestOutput, ScoringRequestOutput
 from raytp import pooling
-from scheduler.pooling_params import PoolingParams
 from scheduler.lora import LoRARequest
+from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one per prompt

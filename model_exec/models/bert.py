@@ -63,8 +63,9 @@ class EncoderSelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, layout: _PaddedLayout) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         rows, longest = layout.gather.shape
-        padded = [t[layout.gather].transpose(1, 2) for t in (q, k, v)]  # [B, heads, L, head_dim]
-        out = F.scaled_dot_product_attention(*padded, attn_mask=layout.key_mask[:, None, None, :])
+        # [B, heads, L, head_dim]
+        pq, pk, pv = (t[layout.gather].transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=layout.key_mask[:, None, None, :])
         out = out.transpose(1, 2).reshape(rows * longest, self.num_heads * self.head_dim)
         return out[layout.scatter]
 
@@ -84,11 +85,11 @@ class _DenseLayerNorm(nn.Module):
 class _Attention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, eps: float) -> None:
         super().__init__()
-        setattr(self, "self", EncoderSelfAttention(config, tp))  # HF's module name: attention.self.query ...
+        self.self = EncoderSelfAttention(config, tp)  # HF's module name: attention.self.query ...
         self.output = _DenseLayerNorm(config, tp, config.hidden_size, eps)
 
     def forward(self, hidden: torch.Tensor, layout: _PaddedLayout) -> torch.Tensor:
-        return self.output(getattr(self, "self")(hidden, layout), hidden)
+        return self.output(self.self(hidden, layout), hidden)
 
 
 class _Intermediate(nn.Module):

@@ -29,7 +29,7 @@ class DecoderEmbedderMixin(CheckpointLoader):
     config: ModelConfig
 
     def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
-        super().__init__(config, tp, attn_backend)  # type: ignore[call-arg]  # the causal LM's constructor
+        super().__init__(config, tp, attn_backend)  # the causal LM's constructor (next in the MRO)
         del self.lm_head  # pooling never computes logits; a tied head would only alias the embedding
 
     def checkpoint_param(self, ckpt_name: str) -> tuple[str, ShardId] | None:

@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 from cluster.engine import EngineDeadError
 from cluster.outputs import RequestDelta
 from scheduler.lora import LoRARequest
+from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas, the last with finished=True; closing the iterator early aborts it.
@@ -70,7 +71,7 @@ class ServeEngineClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         stream = self._server.generate.remote(request_id, prompt_token_ids, params, lora_request)
@@ -104,7 +105,7 @@ class ActorEngineClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         finished = False

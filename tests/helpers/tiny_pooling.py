@@ -70,7 +70,9 @@ def _encoder_config(kind: str, **overrides: Any) -> Any:
     return XLMRobertaConfig(**{**common, "max_position_embeddings": 130, "type_vocab_size": 1, **overrides})
 
 
-def make_st_encoder(root: Path, kind: str = "bert", pooling: str = "mean", normalize: bool = True, seed: int = 0) -> str:
+def make_st_encoder(
+    root: Path, kind: str = "bert", pooling: str = "mean", normalize: bool = True, seed: int = 0
+) -> str:
     """A sentence-transformers folder of a tiny BERT (or XLM-R) encoder; returns its path."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
