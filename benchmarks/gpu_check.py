@@ -155,24 +155,11 @@ def shard_of(llm: Any) -> Any:
     return llm.llm_engine.executor.worker.shard
 
 
-@torch.inference_mode()
 def hf_generate(model: Any, prompts: list[list[int]], max_new: int, scores: bool = False) -> Any:
-    """Greedy HF generate of equal-length prompts (no padding); with scores, the raw logits per step too."""
-    ids = torch.tensor(prompts, device="cuda")
-    return model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new,
-        min_new_tokens=max_new,
-        eos_token_id=None,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        return_dict_in_generate=scores,
-        output_logits=scores,
-    )
+    """The tests' HF reference (tests/helpers/hf_reference.py), on the GPU; with scores, raw logits per step."""
+    from tests.helpers.hf_reference import hf_greedy_generate
+
+    return hf_greedy_generate(model, prompts, max_new, return_dict_in_generate=scores, output_logits=scores)
 
 
 def timed(fn: Callable[..., Any], *args: Any) -> float:

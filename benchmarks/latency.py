@@ -5,7 +5,7 @@ tokens (ignore_eos, greedy) to each engine in turn (raytp, vLLM, raytp, vLLM, ..
 both sides within a round, a new one every round, so no prefix cache helps. ms/token is the request's
 wall time over its output tokens (prefill included, as a user waits for it); the median over rounds is
 reported. Both engines are loaded once, before the first round, from the same fp32 safetensors
-directory (`benchmarks/hf_model.py`), with the same 4 GiB KV budget.
+directory (`benchmarks/common/hf_model.py`), with the same 4 GiB KV budget.
 
     python benchmarks/latency.py --baseline vllm            # the issue-9 comparison: 128 in / 256 out
     python benchmarks/latency.py                            # raytp alone
@@ -28,9 +28,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 
-from benchmarks.proc_mem import PeakSampler
+from benchmarks.common.proc_mem import PeakSampler
+from benchmarks.common.workload import random_requests
 from benchmarks.throughput import run_raytp
-from benchmarks.workload import random_requests
 
 
 def weight_read_floor_ms(hf_dir: str) -> tuple[float, float]:
@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument("--vllm-log", default=None, help="write vLLM's own log here (default: discarded)")
     args = ap.parse_args()
 
-    from benchmarks.hf_model import hf_model_dir
-    from benchmarks.vllm_baseline import KV_CACHE_BYTES, VllmOffline
+    from benchmarks.common.hf_model import hf_model_dir
+    from benchmarks.common.vllm_baseline import KV_CACHE_BYTES, VllmOffline
     from raytp import LLM
 
     hf_dir = hf_model_dir(args.model)  # converted once, cached; raytp alone keeps reading args.model

@@ -183,7 +183,7 @@ def run_config(config: str, workload: str, args: argparse.Namespace) -> dict[str
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        from raytp.cli.haproxy_env import free_port
+        from raytp.serve.haproxy_env import free_port
 
         port = free_port("127.0.0.1")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -265,8 +265,8 @@ def main() -> None:
 
 
 def run_child(args: argparse.Namespace) -> None:
-    from raytp.cli.haproxy_env import release, use_private_haproxy
     from raytp.serve.args import use_serve_defaults
+    from raytp.serve.haproxy_env import release, use_private_haproxy
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     haproxy_dir = use_private_haproxy("127.0.0.1")

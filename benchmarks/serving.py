@@ -42,8 +42,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving_load import run_load, summarize
-from benchmarks.workload import Request, random_requests
+from benchmarks.common.serving_load import run_load, summarize
+from benchmarks.common.workload import Request, random_requests
 
 RateSearch = Generator[float, bool, float]
 
@@ -136,7 +136,7 @@ def start_inprocess_server(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
 
-    from benchmarks.servers import free_port
+    from benchmarks.common.servers import free_port
     from serve_app import build_app
 
     port = free_port()
@@ -173,8 +173,8 @@ def run_alone(args: argparse.Namespace) -> None:
 
 
 def run_against_vllm(args: argparse.Namespace) -> None:
-    from benchmarks.hf_model import hf_model_dir
-    from benchmarks.servers import free_port, start_raytp, start_vllm
+    from benchmarks.common.hf_model import hf_model_dir
+    from benchmarks.common.servers import free_port, start_raytp, start_vllm
 
     model_dir = hf_model_dir(args.model)
     logs = Path(args.log_dir)
@@ -188,7 +188,7 @@ def run_against_vllm(args: argparse.Namespace) -> None:
         servers = {"raytp": raytp, "vllm": vllm}
         urls = {name: srv.base_url for name, srv in servers.items()}
         for srv in servers.values():
-            srv.pause()  # each runs only while it is measured (benchmarks/servers.py says why)
+            srv.pause()  # each runs only while it is measured (benchmarks/common/servers.py says why)
         if args.find_max_rate:
             found, probes = find_max_rates(args, urls, lambda name: servers[name].running())
             print(f"highest sustained rate: raytp {found['raytp']:.2f} req/s, vllm {found['vllm']:.2f} req/s")

@@ -40,9 +40,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.proc_mem import tree
-from benchmarks.serving_load import run_load, summarize
-from benchmarks.workload import random_requests
+from benchmarks.common.proc_mem import tree
+from benchmarks.common.serving_load import run_load, summarize
+from benchmarks.common.workload import random_requests
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _HISTOGRAMS = (
@@ -154,8 +154,8 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp/raytp-serving-profile")
     args = ap.parse_args()
 
-    from benchmarks.hf_model import hf_model_dir
-    from benchmarks.servers import free_port, start_raytp
+    from benchmarks.common.hf_model import hf_model_dir
+    from benchmarks.common.servers import free_port, start_raytp
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,10 @@
    schema again), and without a constraint, each the median of `rounds` single requests.
 3. --compare-libraries: compile time and per-token mask time of llguidance and xgrammar on the same
    tokenizer and schema (the decision recorded in cluster/structured_output.py).
+4. --compile-cost: what the compile worker (cluster/grammar_worker.py) costs per uncached spec: the
+   manager's compile (in the worker, then the controller's matcher from its grammar) against the same
+   compile done in-process only (what raytp did before), interleaved, medians of `rounds` fresh schemas;
+   and a repeat of a compiled spec (the cache: no compile at all).
 """
 
 from __future__ import annotations
@@ -130,13 +134,48 @@ def compare_libraries() -> None:
     )
 
 
+def compile_cost(rounds: int) -> None:
+    import llguidance
+
+    from cluster.structured_output import StructuredOutputManager, to_grammar
+    from model_exec.source import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,))
+    manager.matcher(StructuredOutputsParams(regex="warm"))  # the worker and both tokenizers are up
+    ll_tok = manager._tokenizer()
+    worker, inproc, cached = [], [], []
+    for i in range(rounds):
+        spec = unique_schema(1000 + 2 * i)
+        start = time.perf_counter()
+        manager.matcher(spec)
+        worker.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        manager.matcher(spec)
+        cached.append(time.perf_counter() - start)
+        other = unique_schema(1001 + 2 * i)
+        start = time.perf_counter()
+        llguidance.LLMatcher(ll_tok, to_grammar(other), log_level=0, limits=llguidance.LLParserLimits())
+        inproc.append(time.perf_counter() - start)
+    manager.shutdown()
+    w, p, c = (statistics.median(x) * 1e3 for x in (worker, inproc, cached))
+    print(
+        f"compile, {rounds} fresh JSON schemas: in-process only {p:.1f} ms, compile worker + controller "
+        f"matcher {w:.1f} ms ({w - p:+.1f} ms); a cached spec {c:.2f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compare-libraries", action="store_true")
+    parser.add_argument("--compile-cost", action="store_true")
     args = parser.parse_args()
+    if args.compile_cost:
+        compile_cost(args.rounds)
+        return
     if args.compare_libraries:
         compare_libraries()
         return

@@ -1,6 +1,6 @@
 """Offline throughput: raytp against a baseline (vLLM's CPU build, or HF transformers), in one run.
 
-Workload (vLLM's "random" dataset style, `benchmarks/workload.py`): `--num-prompts` requests with
+Workload (vLLM's "random" dataset style, `benchmarks/common/workload.py`): `--num-prompts` requests with
 random token-id prompts of 16-768 tokens and 8-320 output tokens each (uniform, seeded),
 ignore_eos, greedy. Every engine gets all requests at once; the HF baseline runs `generate` over
 batches of `--hf-batch-size` left-padded prompts (static batching: short requests wait for long ones).
@@ -15,7 +15,7 @@ timed prompts. Figures are medians over rounds.
     python benchmarks/throughput.py --baseline none    # raytp alone
 
 `--baseline vllm` converts the embedded GGUF to an fp32 safetensors directory once
-(`benchmarks/hf_model.py`) and points both engines at it, with the same 4 GiB KV budget; vLLM runs
+(`benchmarks/common/hf_model.py`) and points both engines at it, with the same 4 GiB KV budget; vLLM runs
 from `.venv-vllm` (`bash benchmarks/setup_vllm.sh`). Prints requests/s, output and total
 (prompt + output) tokens/s per engine, peak memory of each engine's processes, and the ratio.
 """
@@ -36,8 +36,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 
-from benchmarks.proc_mem import MemPeak, PeakSampler
-from benchmarks.workload import Request, describe, random_requests, total_tokens
+from benchmarks.common.proc_mem import MemPeak, PeakSampler
+from benchmarks.common.workload import Request, describe, random_requests, total_tokens
 
 
 def run_raytp(llm: Any, work: list[Request]) -> float:
@@ -130,8 +130,8 @@ def main() -> None:
         engine_kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     model = args.model
     if args.baseline == "vllm":
-        from benchmarks.hf_model import hf_model_dir
-        from benchmarks.vllm_baseline import KV_CACHE_BYTES
+        from benchmarks.common.hf_model import hf_model_dir
+        from benchmarks.common.vllm_baseline import KV_CACHE_BYTES
 
         model = hf_model_dir(args.model)
         engine_kw.update(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES)
@@ -212,7 +212,7 @@ def _start_baseline(
 ) -> tuple[Callable[[list[Request]], float] | None, Callable[[], MemPeak] | None]:
     """The baseline's timed run and its memory report (None, None for --baseline none)."""
     if args.baseline == "vllm":
-        from benchmarks.vllm_baseline import VllmOffline
+        from benchmarks.common.vllm_baseline import VllmOffline
 
         log = open(args.vllm_log, "wb") if args.vllm_log else None  # noqa: SIM115 (lives as long as vLLM)
         assert model is not None

@@ -1,6 +1,6 @@
 """vLLM's side of the `--baseline vllm` benchmarks; runs under vLLM's own interpreter (.venv-vllm), not ours.
 
-It imports vLLM and the standard library only, never raytp. `benchmarks/vllm_baseline.py` starts it
+It imports vLLM and the standard library only, never raytp. `benchmarks/common/vllm_baseline.py` starts it
 with the CPU backend's environment, then drives it with one JSON command per line on stdin and
 reads one JSON reply per line from the file descriptor named by `--reply-fd` (vLLM logs to stdout and
 stderr, so replies travel on a channel of their own). The harness builds every workload and sends

@@ -16,6 +16,10 @@ from scheduler.config import PREEMPTION_MODES, PreemptionMode
 
 _GiB = 1 << 30
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+# weight quantizations (model_exec/layers/quantization): gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on the
+# CPU; int8 quantizes a float checkpoint's linear layers at load (CPU); none loads every weight as floats (a GGUF
+# dequantized: the reference the block kernels are checked against)
+QUANTIZATIONS = ("gguf", "int8", "none")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
@@ -84,6 +88,13 @@ class EngineConfig:
         "CPU fp32: run linear layers on raytp's panel-packed GEMM instead of oneDNN (~1.6x faster "
         "single-stream decode, about even for large batches; same bits whatever the batching)",
     )
+    quantization: str | None = _opt(
+        None,
+        "weight quantization: default from the checkpoint (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks on the CPU in "
+        "float32, else loads dequantized); gguf (required: refused where it cannot run); int8 (weight-only, "
+        "scales per 32 weights computed at load; CPU float32); none (float weights)",
+        QUANTIZATIONS,
+    )
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT checkpoints) on top of the base model")
     max_loras: int = _opt(1, "with enable_lora: most distinct adapters in one step's batch")
     max_lora_rank: int = _opt(16, "with enable_lora: the highest adapter rank accepted")
@@ -132,6 +143,8 @@ class EngineConfig:
             raise ValueError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; got {self.placement_strategy!r}."
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}.")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
         if self.max_lora_rank < 1:

@@ -296,6 +296,9 @@ class EngineLoop:
             "prompt_tokens_total": sched.num_prompt_tokens,
             "generation_tokens_total": sched.num_generation_tokens,  # every token the engine sampled
             "healthy": self.engine.dead is None and not self._closed,
+            "pid": os.getpid(),  # the process that hosts the engine (a replica that restarted has a new one)
+            "grammar_worker_pid": self.engine.structured.compile_worker_pid,
+            "grammar_worker_restarts": self.engine.structured.compile_worker_restarts,
         }
 
     async def model_info(self) -> dict[str, Any]:

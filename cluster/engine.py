@@ -21,7 +21,7 @@ from typing import Any, cast
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import default_block_size, resolve_device, resolve_executor_backend
 from cluster.executor import Executor
-from cluster.lora_registry import LoRARegistry
+from cluster.lora_registry import LoadedAdapters
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
 from cluster.pooling import (
@@ -172,7 +172,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
-        self.loras = LoRARegistry(self.config.enable_lora, self.config.max_lora_rank)
+        self.loras = LoadedAdapters(self.config.enable_lora, self.config.max_lora_rank)
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
         logger.info(

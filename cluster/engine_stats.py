@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cluster.lora_registry import LoRARegistry
+from cluster.lora_registry import LoadedAdapters
 from cluster.metrics.stats import FinishedRequestStats, FinishReason, IterationStats, LoRAStats, SchedulerStats
 from cluster.outputs import RequestDelta, RequestMetrics
 from kv import BlockManager
@@ -46,7 +46,7 @@ class _Tracked:
 
 
 class EngineStatsCollector:
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, loras: LoRARegistry | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, loras: LoadedAdapters | None = None) -> None:
         """`loras`: the engine's adapters, for their names (only engines with enable_lora report LoRA stats)."""
         self._scheduler = scheduler
         self._bm = block_manager

@@ -19,7 +19,7 @@ from scheduler.lora import LoRAError, LoRARequest
 NOT_ENABLED = "LoRA is not enabled (start with enable_lora / --enable-lora)"
 
 
-class LoRARegistry:
+class LoadedAdapters:
     def __init__(self, enabled: bool, max_lora_rank: int) -> None:
         self.enabled = enabled
         self.max_lora_rank = max_lora_rank

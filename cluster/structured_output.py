@@ -12,8 +12,11 @@ Compilation: a spec compiles once into a template matcher (grammar built, lexer 
 spec's canonical key; each sample gets a deep copy. Compiles run on a thread of their own (llguidance
 drops the GIL while it builds), so the engine loop never waits for one: the serving path awaits `prepare`
 before it adds the request, and a spec that does not compile is a RequestError naming the request field.
-Resource use is bounded by llguidance's parser limits (grammar size, lexer fuel per step), so a hostile
-schema fails to compile or fails its one request; it cannot stall the step for the others.
+Hostile specs meet three walls: the spec's bounds (scheduler/structured_limits.py: depth with refs
+expanded, size, enums, regex and grammar lengths) before any library runs; the compile worker
+(cluster/grammar_worker.py), a child process that builds the grammar and a matcher first, so a native
+crash kills it and not this process (the spec is a 400, the child is replaced); and llguidance's parser
+limits (grammar size, lexer fuel per step), so a spec that compiles cannot stall the step for the others.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cluster.grammar_worker import GrammarCompileWorker
 from scheduler.errors import RequestError
 from scheduler.structured_outputs import StructuredOutputsParams
 
@@ -78,15 +82,25 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
 
 
 def _no_additional_properties(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object schema that does not say otherwise."""
-    if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
-    if out.get("type") == "object" or "properties" in out:
-        out.setdefault("additionalProperties", False)
-    return out
+    """The schema with `additionalProperties: false` on every object schema that does not say otherwise.
+    Iterative (an explicit stack): the spec's depth is bounded (scheduler/structured_limits.py), but no
+    walk over a user's schema recurses in Python."""
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]  # (source node, parent copy, key in the parent)
+    while stack:
+        node, parent, key = stack.pop()
+        if isinstance(node, dict):
+            out: Any = dict.fromkeys(node)  # the keys in the user's order (properties are generated in it)
+            stack.extend((v, out, k) for k, v in node.items())
+            if node.get("type") == "object" or "properties" in node:
+                out.setdefault("additionalProperties", False)
+        elif isinstance(node, list):
+            out = [None] * len(node)
+            stack.extend((v, out, i) for i, v in enumerate(node))
+        else:
+            out = node
+        parent[key] = out
+    return root[0]
 
 
 def _structural_tag_grammar(tag: dict[str, Any]) -> str:
@@ -94,12 +108,12 @@ def _structural_tag_grammar(tag: dict[str, Any]) -> str:
     which every region that starts with a trigger must be one of the structures."""
     import llguidance
 
-    structures, triggers = tag.get("structures"), tag.get("triggers")
-    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
-        raise ValueError("a structural tag needs non-empty 'structures' and 'triggers' lists")
+    # The shape (non-empty lists, string begin/end/triggers, object schemas) was checked when the spec was
+    # made (scheduler/structured_outputs.py), so what is read here exists and has its type.
+    structures, triggers = tag["structures"], tag["triggers"]
     tags = []
     for s in structures:
-        trigger = next((t for t in triggers if isinstance(t, str) and s["begin"].startswith(t)), None)
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structure begin {s['begin']!r} starts with none of the triggers {triggers}")
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
@@ -158,6 +172,7 @@ class StructuredOutputManager:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-grammar")
         self._executor: llguidance.LLExecutor | None = None
+        self._worker: GrammarCompileWorker | None = None  # started by the first compile
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()  # the cache is reached from the event loop and from offline callers
 
@@ -192,7 +207,9 @@ class StructuredOutputManager:
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         import llguidance
 
-        grammar = to_grammar(spec)
+        worker = self._compile_worker()
+        worker.start()  # the child builds its tokenizer while this thread builds the controller's
+        grammar = worker.compile(spec)  # RequestError if it does not compile, or crashes the child
         matcher = llguidance.LLMatcher(
             self._tokenizer(),
             grammar,
@@ -204,6 +221,21 @@ class StructuredOutputManager:
                 f"{spec.field}: the {spec.kind} constraint cannot be compiled: {matcher.get_error()}", spec.field
             )
         return matcher
+
+    def _compile_worker(self) -> GrammarCompileWorker:
+        if self._worker is None:  # only the compile thread makes it
+            backend = self._hf_tokenizer.backend_tokenizer
+            self._worker = GrammarCompileWorker(backend.to_str(), self.vocab_size, self._eos)
+        return self._worker
+
+    @property
+    def compile_worker_pid(self) -> int | None:
+        return self._worker.pid if self._worker is not None else None
+
+    @property
+    def compile_worker_restarts(self) -> int:
+        """Compile workers replaced after a crash or a timeout (each one a spec refused with a 400)."""
+        return self._worker.restarts if self._worker is not None else 0
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:  # only the compile thread builds it
@@ -230,3 +262,5 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -89,6 +89,7 @@ class Worker:
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
             panel_gemm=cfg.cpu_panel_gemm,
+            quantization=cfg.quantization,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager,

@@ -34,18 +34,15 @@ _DTYPES = ("float32", "float16", "bfloat16")
 # activations model_exec.layers.activation implements (HF's names; its ACT_AND_MUL has one class each)
 # gelu (erf): the encoders' feed-forward (model_exec/models/bert.py), which is not gated
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
-# What `model_exec.models` implements (model_exec/architectures.py); checked here, torch-free, so an
-# unsupported model is refused by the controller before any worker starts.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """What every decoder-only family shares, and what the controller needs (torch-free).
 
-    What only one family has (Gemma's soft-capping, a MoE's experts, Qwen3's q/k norms) is parsed by
-    that family's model file from `hf`, the checkpoint's config.json as read; this class does not grow
-    a flag per family.
+    What only some families have (Gemma's soft-capping, a MoE's experts, Qwen3's q/k norms) is in the
+    family's registry row (`architectures.DecoderSpec`), its values read from `hf`, the checkpoint's
+    config.json as read; this class does not grow a flag per family.
     """
 
     architecture: str  # HF `architectures[0]`; picks the model class from the registry
@@ -81,10 +78,11 @@ class ModelConfig:
     hf: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        # what `model_exec.models` implements (model_exec/architectures.py), read live from the registry;
+        # checked here, torch-free, so the controller refuses an unsupported model before any worker starts
+        if self.architecture not in ARCHITECTURES:
             raise ValueError(
-                f"model architecture {self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"model architecture {self.architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
             )
         for name in (
             "vocab_size",
@@ -198,7 +196,11 @@ class ModelConfig:
         architecture = archs[0] if archs else ARCHITECTURE_BY_MODEL_TYPE.get(str(model_type))
         if architecture is None:
             raise ValueError(f"cannot tell the architecture of {model_type!r}: config lacks `architectures`")
-        defaults = ARCHITECTURES[architecture].config_defaults if architecture in ARCHITECTURES else {}
+        row = ARCHITECTURES.get(architecture)
+        defaults = row.config_defaults if row is not None else {}
+        # which config.json fields turn the attention biases on is the family's (its registry row)
+        qkv_bias_key = row.decoder.qkv_bias_key if row is not None else "attention_bias"
+        o_bias_key = row.decoder.o_bias_key if row is not None else "attention_bias"
         if not hasattr(hf_config, "to_dict"):
             # a config.json as read: fill in what HF's config class would (a PretrainedConfig already has it)
             hf_config = SimpleNamespace(**{**defaults, **vars(hf_config)})
@@ -206,9 +208,6 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         max_pos = hf_config.max_position_embeddings
         rope_theta, rope_scaling, partial_rotary_factor = _normalise_rope(hf_config, max_pos)
-        # Qwen2's attention: q/k/v biases (Qwen2-MoE's `qkv_bias`, default on), none on the output
-        is_qwen2 = model_type in ("qwen2", "qwen2_moe") or architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = _as_id_tuple(getattr(hf_config, "eos_token_id", None)) + tuple(extra_eos_token_ids)
         num_layers = hf_config.num_hidden_layers
         # Gemma's models read `hidden_activation` (their config.json may also carry a `hidden_act`)
@@ -227,8 +226,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if is_qwen2 else attention_bias,
-            o_bias=False if is_qwen2 else attention_bias,
+            qkv_bias=bool(getattr(hf_config, qkv_bias_key, defaults.get(qkv_bias_key, False))),
+            o_bias=o_bias_key is not None and bool(getattr(hf_config, o_bias_key, defaults.get(o_bias_key, False))),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=getattr(hf_config, "bos_token_id", None),

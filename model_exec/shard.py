@@ -20,6 +20,8 @@ from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.cuda_graphs import DecodeGraphs, capture_sizes
 from model_exec.kv_sizing import MemorySnapshot, measure_kv_budget, take_snapshot
+from model_exec.layers.quantization import scope as quantization_scope
+from model_exec.layers.quantization.select import select_quantization
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
@@ -92,6 +94,7 @@ class ModelShard:
         attention_backend: str,
         block_size: int,
         panel_gemm: bool = True,
+        quantization: str | None = None,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
@@ -105,8 +108,9 @@ class ModelShard:
 
         max_num_seqs and max_model_len size the CUDA graphs' buffers (max_model_len: the model's own when
         None); enforce_eager turns the graphs off. enable_lora gives the linear layers LoRA slots (adapters
-        are added later, `add_lora`); without it the model is exactly the base model. runner="pooling" builds
-        the pooling model and its head (model_exec/pooling_model.py; `pooler_config` overrides its files)."""
+        are added later, `add_lora`); without it the model is exactly the base model. quantization:
+        EngineConfig.quantization (`layers.quantization.select`). runner="pooling" builds the pooling model
+        and its head (model_exec/pooling_model.py; `pooler_config` overrides its files)."""
         self.device = torch_device(device)
         self._mem_at_start: MemorySnapshot | None = None
         if self.device.type == "cuda":
@@ -124,14 +128,19 @@ class ModelShard:
             self.tp = init_tp_group(rank, world_size, dist_init_method, backend, timeout_s=120)
         torch_dtype = resolve_dtype(dtype, model_config, self.device)
         attn_backend = get_attn_backend(attention_backend, self.device, torch_dtype, block_size)
+        quant = select_quantization(quantization, source.kind, self.device, torch_dtype)
+        self.quantization = "none" if quant is None else quant.name
         pooler: Pooler | None = None
-        if runner == "pooling":
-            model, pooler = build_pooling_model(
-                source, model_config, self.tp, attn_backend, self.device, torch_dtype, pooler_config
-            )
-        else:
-            model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
-        model.load_weights(iter_weights(source))
+        with quantization_scope(quant):
+            if runner == "pooling":
+                model, pooler = build_pooling_model(
+                    source, model_config, self.tp, attn_backend, self.device, torch_dtype, pooler_config
+                )
+            else:
+                model = build_model(model_config, self.tp, attn_backend, self.device, torch_dtype)
+        weights = iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks())
+        # GGUFTensors stand in for tensors through every loader (layers.quantization.gguf_tensor)
+        model.load_weights(weights)  # type: ignore[arg-type]
         pack_weights(model, panels=panel_gemm)
         self.lora: LoRAManager | None = None
         if enable_lora:
@@ -152,7 +161,14 @@ class ModelShard:
             dtype=torch_dtype,
         )
         self.cache: CacheEngine | None = None
-        logger.info("rank %d loaded %s (%s, %s)", rank, source.name, torch_dtype, self.device)
+        logger.info(
+            "rank %d loaded %s (%s, %s, quantization %s)",
+            rank,
+            source.name,
+            torch_dtype,
+            self.device,
+            self.quantization,
+        )
 
     @property
     def bytes_per_block(self) -> int:

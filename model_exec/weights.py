@@ -7,20 +7,28 @@ model (where it is, its config and tokenizer) is torch-free and lives in `model_
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from model_exec.architectures import ARCHITECTURES
+from model_exec.layers.quantization.gguf_tensor import KERNEL_TYPES, GGUFTensor
 from model_exec.source import ModelSource, safetensors_files
 
+logger = logging.getLogger(__name__)
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF checkpoint name, full CPU tensor) one tensor at a time."""
+
+def iter_weights(src: ModelSource, keep_gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """Yield (HF checkpoint name, full CPU tensor) one tensor at a time.
+
+    `keep_gguf_blocks` (a GGUF file, layers built under `quantization.gguf.GGUFConfig`): matrices of the types
+    the block kernels run (Q8_0, Q4_0, Q4_1) come as `GGUFTensor`s in their file layout, the rest as floats."""
     if src.kind == "gguf":
-        yield from _iter_gguf(src)
+        yield from _iter_gguf(src, keep_gguf_blocks)
     else:
         yield from _iter_safetensors(Path(src.path))
 
@@ -126,18 +134,22 @@ def _hf_parameter_names(config_dir: str) -> list[str]:
     return list(model.state_dict())
 
 
-def _iter_gguf(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(src: ModelSource, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     from gguf import GGUFReader
 
     arch = str(GGUFReader(src.gguf_path).fields["general.architecture"].contents())
     if arch not in supported_gguf_archs():
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {supported_gguf_archs()}")
-    yield from iter_gguf_tensors(src.gguf_path, _hf_parameter_names(src.metadata_dir))
+    yield from iter_gguf_tensors(src.gguf_path, _hf_parameter_names(src.metadata_dir), keep_blocks)
 
 
-def iter_gguf_tensors(path: str, hf_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(
+    path: str, hf_names: Iterable[str], keep_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """(HF checkpoint name, full float tensor) for every weight of the GGUF file `path`, whose model has
-    Hugging Face parameter names `hf_names`; llama.cpp's convert-time changes undone."""
+    Hugging Face parameter names `hf_names`; llama.cpp's convert-time changes undone. With `keep_blocks`,
+    single matrices of a kernel type come as `GGUFTensor`s (whole rows move, so the q/k row permutation is
+    undone on the blocks as on floats); other quantized types are dequantized, and named in one log line."""
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -151,10 +163,23 @@ def iter_gguf_tensors(path: str, hf_names: Iterable[str]) -> Iterator[tuple[str,
     n_head, n_kv_head = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
     num_experts = field(f"{arch}.expert_count")
     mapping = gguf_name_map(arch, field(f"{arch}.block_count"), hf_names)
+    dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         names = gguf_to_hf_names(tensor.name, mapping, num_experts)
         if not names:
             continue
+        qtype = int(tensor.tensor_type)
+        if keep_blocks and qtype in KERNEL_TYPES and len(names) == 1 and len(tensor.data.shape) == 2:
+            rows = torch.from_numpy(np.array(tensor.data))  # a copy: the reader's view is the read-only file map
+            blocks = GGUFTensor(rows, qtype, int(tensor.shape[0]))  # GGUF shapes list the row length first
+            if arch == "llama" and ".self_attn.q_proj." in names[0]:
+                blocks = blocks.index_rows(_unpermute_qk(torch.arange(rows.shape[0]), n_head))
+            elif arch == "llama" and ".self_attn.k_proj." in names[0]:
+                blocks = blocks.index_rows(_unpermute_qk(torch.arange(rows.shape[0]), n_kv_head))
+            yield names[0], blocks
+            continue
+        if keep_blocks and qtype not in (0, 1, 30):  # F32, F16, BF16 are floats anyway
+            dequantized[tensor.tensor_type.name] += 1
         array = dequantize(tensor.data, tensor.tensor_type)  # one tensor at a time; float32 for quantised
         if not array.flags.writeable:  # unquantised tensors come back as read-only views of the file map
             array = np.array(array)
@@ -172,3 +197,6 @@ def iter_gguf_tensors(path: str, hf_names: Iterable[str]) -> Iterator[tuple[str,
             yield names[0], weight
         else:  # stacked experts [num_experts, ...]: one tensor each, as checkpoints keep them
             yield from zip(names, weight.unbind(0), strict=True)
+    if dequantized:
+        kinds = ", ".join(f"{name} x {count}" for name, count in sorted(dequantized.items()))
+        logger.info("GGUF tensors without a block kernel load dequantized to float32: %s", kinds)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -13,6 +13,7 @@ from cluster.engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput, RequestOutputBuilder
 from cluster.pooling_outputs import EmbeddingRequestOutput, ScoringRequestOutput
 from raytp import pooling
+from raytp.chat_template import render_chat
 from scheduler.lora import LoRARequest
 from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
@@ -90,27 +91,20 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template.
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template,
+        rendered as the HTTP server renders it (raytp/chat_template.py: the same conversation, the same prompt).
 
         `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `enable_thinking`) reach the template,
         as in vLLM; to force a tool call's arguments, give `SamplingParams(structured_outputs=...)` its schema.
         `lora_request` as in `generate`: one adapter for every conversation, or one per conversation.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = tokenizer.apply_chat_template(
-                conv,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            ids = render_chat(tokenizer, conv, add_generation_prompt, tools, chat_template_kwargs, chat_template)
+            prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(

@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `a/b/c.py`-like words in backticks; the first component decides whether it is a repository path.
 _PATH = re.compile(r"`([A-Za-z0-9_.\-]+(?:/[A-Za-z0-9_.\-]+)+/?)`")
+# A path that climbs out of the checkout (`../shared/x.md`) exists on a developer's machine and in no user's
+# clone: a fresh clone's CI once failed on one, so such a path is refused outright, whether it exists here or not.
+_OUTSIDE = re.compile(r"`((?:\./)*\.\./[^`\s]*)`")
 _LINK = re.compile(r"\]\(([^)#\s]+)\)")
 
 
@@ -26,6 +29,10 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one() -> None:
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_named_files_exist(doc: Path) -> None:
     text = doc.read_text()
+    outside = sorted({p for p in _OUTSIDE.findall(text) if not (ROOT / p).resolve().is_relative_to(ROOT)})
+    local_links = [t for t in _LINK.findall(text) if not t.startswith(("http://", "https://"))]
+    outside += sorted(t for t in local_links if not (doc.parent / t).resolve().is_relative_to(ROOT))
+    assert not outside, f"{doc.name} names paths outside the repository: {outside}"
     # Only words whose first component is a top-level entry of the checkout (so `text/plain` is no path).
     paths = {p for p in _PATH.findall(text) if (ROOT / p.split("/")[0]).exists()}
     missing = sorted(p for p in paths if not (ROOT / p).exists())
@@ -46,3 +53,11 @@ def test_readme_models_table_is_the_registrys(tmp_path: Path) -> None:
     stale.write_text(f"# x\n\n{BEGIN}\n| old |\n{END}\n\n## next\n")
     assert update(stale) and readme_table(stale.read_text()) == table() and stale.read_text().endswith("\n## next\n")
     assert not update(stale)
+
+
+def test_every_benchmark_script_is_documented() -> None:
+    """Each script in benchmarks/ is named in docs/benchmarks.md; shared helpers live in benchmarks/common/."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    undocumented = [s for s in scripts if not re.search(rf"benchmarks[./]{s}\b", text)]
+    assert not undocumented, f"benchmarks/ scripts that docs/benchmarks.md does not name: {undocumented}"

@@ -1,11 +1,11 @@
-"""benchmarks/proc_mem.py: the peak memory the comparison benchmarks report for each engine's process tree."""
+"""benchmarks/common/proc_mem.py: the peak memory the comparison benchmarks report for each engine's process tree."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from benchmarks.proc_mem import PeakSampler, tree
+from benchmarks.common.proc_mem import PeakSampler, tree
 
 # A child that touches 200 MiB (one write per page, so every page is resident), says so, then waits.
 _HOLD = (

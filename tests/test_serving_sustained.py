@@ -1,4 +1,4 @@
-"""benchmarks/serving_load.sustained: the judgement behind `serving.py --find-max-rate`, on synthetic servers."""
+"""benchmarks/common/serving_load.py `sustained`: what `serving.py --find-max-rate` judges by, on synthetic servers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from benchmarks import serving
-from benchmarks.serving_load import Result, service_ratio, sustained
+from benchmarks.common.serving_load import Result, service_ratio, sustained
 
 
 def _fifo_server(rate: float, service_rate: float, base_latency: float, seconds: float = 60.0) -> list[Result]:

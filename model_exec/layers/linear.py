@@ -10,9 +10,12 @@ Column-parallel layers split output features across ranks and never gather: thei
 output feeds an activation or attention that works per shard. Row-parallel layers
 split input features and all-reduce the partial sums.
 
-After loading, `pack_weights()` may move an fp32 CPU weight into a faster layout (raytp's 16-wide
-panels by default, else oneDNN's blocked one; see `cpu_gemm`); the dense copy is then released and
-`forward` runs the packed product. Weights load once, before packing.
+How the weight is held and multiplied is the layer's quantization method's (`layers.quantization`,
+picked from the scope the model is built in): the layers here only cut each rank's rows and hand them to
+`quant_method.load_rows`. Unquantized, after loading `pack_weights()` may move an fp32 CPU weight into a
+faster layout (raytp's 16-wide panels by default, else oneDNN's blocked one; see `cpu_gemm`) and release
+the dense copy; a GGUF checkpoint's weights stay in their blocks (`quantization.gguf`). Weights load
+once, before packing.
 
 LoRA (EngineConfig.enable_lora): `model_exec.lora.LoRAManager` attaches a `LoRASlots` as `lora` to the column-
 and row-parallel layers; their forward then adds the step's adapters' products (row-parallel: to the rank's
@@ -23,13 +26,14 @@ test per layer and step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
 
-from model_exec.layers import cpu_gemm
+from model_exec.layers import cpu_gemm, quantization
 from model_exec.layers.activation import SiluAndMul
+from model_exec.layers.quantization import GGUFTensor, as_float
 from model_exec.parallel import TPGroup
 
 if TYPE_CHECKING:
@@ -47,11 +51,12 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) that refuses to broadcast: a shape mismatch means checkpoint and config disagree."""
+def copy_shard(dst: torch.Tensor, src: torch.Tensor | GGUFTensor) -> None:
+    """dst.copy_(src) that refuses to broadcast: a shape mismatch means checkpoint and config disagree.
+    GGUF blocks reaching a float parameter (norms, experts) copy their exact float values."""
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint shard has shape {tuple(src.shape)}, parameter wants {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(as_float(src))
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
@@ -59,7 +64,13 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     copy_shard(param.data, loaded_weight)
 
 
-def shard_of(full: torch.Tensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor:
+@overload
+def shard_of(full: torch.Tensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor: ...
+@overload
+def shard_of(full: GGUFTensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor | GGUFTensor: ...
+@overload
+def shard_of(full: torch.Tensor | GGUFTensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor | GGUFTensor: ...
+def shard_of(full: torch.Tensor | GGUFTensor, dim: int, shard_size: int, tp: TPGroup) -> torch.Tensor | GGUFTensor:
     """This rank's slice of a full checkpoint tensor split evenly along `dim` (a view, no copy)."""
     if full.shape[dim] != shard_size * tp.world_size:
         raise ValueError(
@@ -85,47 +96,54 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
+        self.quant_method = quantization.linear_method()
+        self.weight: nn.Parameter
+        self.quant_method.create_weights(self, input_size, output_size, params_dtype)
         self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False) if bias else None
         _set_loader(self.weight, self.weight_loader)
         _set_loader(self.bias, self.weight_loader)
-        # At most one of these is set, by pack_weights(); then `weight` holds no data.
+        # The unquantized method sets at most one of these in pack_weights(); then `weight` holds no data.
         self.panel_weight: torch.Tensor | None = None  # cpu_gemm.pack_panels layout
         self.packed_weight: torch.Tensor | None = None  # oneDNN's layout
         self.lora: LoRASlots | None = None  # resident LoRA adapters (model_exec/lora), only with enable_lora
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         raise NotImplementedError
 
-    def pack_weights(self, panels: bool = True) -> bool:
-        """Move the loaded weight into the panel layout (`panels`, EngineConfig.cpu_panel_gemm) or
-        oneDNN's when it can run there; True if it did (see `cpu_gemm` for the choice).
+    def _store(self, param: nn.Parameter, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
+        """This rank's rows [offset, offset + len(rows)) of `param`: the weight's go to the quantization method."""
+        if param is self.weight:
+            self.quant_method.load_rows(self, offset, rows)
+        else:
+            copy_shard(param.data.narrow(0, offset, rows.shape[0]), rows)
 
-        The parameter keeps its shape but becomes a zero-stride view of one element (no memory), so
+    def pack_weights(self, panels: bool = True) -> bool:
+        """After loading: the quantization method moves the weight into its compute layout (unquantized:
+        panels when `panels`, EngineConfig.cpu_panel_gemm, or oneDNN's, when it can run there; see
+        `cpu_gemm`); True if the layer now runs a packed or quantized kernel.
+
+        A released parameter keeps its shape but becomes a zero-stride view of one element (no memory), so
         loading into it afterwards fails loudly instead of writing a matrix nobody reads.
         """
-        if self.panel_weight is not None or self.packed_weight is not None:
-            return True
-        copies = cpu_gemm.pack(self.weight, panels)
-        if copies is None:
-            return False
-        self.panel_weight, self.packed_weight = copies
-        self.weight.data = torch.empty(1, dtype=self.weight.dtype).expand(self.weight.shape)
-        return True
+        return self.quant_method.process_weights_after_loading(self, panels)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.panel_weight, self.packed_weight, bias)
+        return self.quant_method.apply(self, x, bias)
 
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
-        copy_shard(param.data, loaded_weight)
+        if param.shape[0] != loaded_weight.shape[0]:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}"
+            )
+        self._store(param, 0, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -145,10 +163,9 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp.world_size), bias, tp, params_dtype)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
-        size = param.shape[0]
-        copy_shard(param.data, shard_of(loaded_weight, 0, size, self.tp))
+        self._store(param, 0, shard_of(loaded_weight, 0, param.shape[0], self.tp))
 
     def output_parts(self) -> list[tuple[str | int | None, int, int]]:
         """(shard id, offset, size) of each matrix stacked in this rank's output rows, as `weight_loader`
@@ -181,7 +198,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp, params_dtype)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if shard_id == FUSED:
             full_sizes = [s * self.tp.world_size for s in self.output_sizes]
@@ -192,7 +209,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
+        self._store(param, offset, shard_of(loaded_weight, 0, size, self.tp))
 
     def output_parts(self) -> list[tuple[str | int | None, int, int]]:
         offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
@@ -259,7 +276,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         ]
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if shard_id == FUSED:
             ws = self.tp.world_size
@@ -275,10 +292,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in offsets:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v' (or {FUSED!r}: all three), got {shard_id!r}")
         offset, size = offsets[str(shard_id)]
-        copy_shard(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, size, self.tp))
+        self._store(param, offset, shard_of(loaded_weight, 0, size, self.tp))
 
 
-def _split_fused(full: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+def _split_fused(full: torch.Tensor | GGUFTensor, sizes: list[int]) -> tuple[torch.Tensor | GGUFTensor, ...]:
     """The parts of a fused checkpoint tensor along dim 0 (views), after checking it has exactly their rows."""
     if full.shape[0] != sum(sizes):
         raise ValueError(f"fused checkpoint tensor has {full.shape[0]} rows, its parts {sizes} need {sum(sizes)}")
@@ -308,13 +325,16 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFTensor, shard_id: str | int | None = None
     ) -> None:
         if param.dim() == 1:  # bias: replicated
             copy_shard(param.data, loaded_weight)
             return
-        size = param.shape[1]
-        copy_shard(param.data, shard_of(loaded_weight, 1, size, self.tp))
+        if param.shape[0] != loaded_weight.shape[0]:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter wants {tuple(param.shape)}"
+            )
+        self._store(param, 0, shard_of(loaded_weight, 1, param.shape[1], self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)

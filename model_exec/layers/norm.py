@@ -88,3 +88,12 @@ class GemmaRMSNorm(RMSNorm):
 
     def kernel_weight(self) -> torch.Tensor:
         return self.scale
+
+
+def per_head_norm(norm: RMSNorm, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """x [T, num_heads * head_dim] (q or k; may be a strided slice of a fused projection) with each head
+    normalised by `norm` (of head_dim features: Qwen3's and Gemma 3's q/k norms), as a new tensor
+    [T, num_heads, head_dim]. The weights are per feature, not per head, so every TP rank applies the same
+    replicated norm to its own heads. One row per head: reshape copies strided slices into the rows the
+    norm kernels take."""
+    return norm(x.reshape(-1, norm.weight.shape[0])).view(x.shape[0], num_heads, -1)

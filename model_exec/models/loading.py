@@ -35,13 +35,14 @@ STACKED_QKV_GATE_UP_SHARD_IDS: dict[str, tuple[ShardId, ...]] = {"qkv_proj": ("q
 class CheckpointLoader(nn.Module):
     """Mixin for model classes: `load_weights` from (HF name, full tensor) pairs."""
 
+    # Per model, not per class (the decoder's come from its spec): a model may set these three on itself.
     # fused parameter -> the checkpoint tensors it is stacked from, in order
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
+    packed_modules_mapping: dict[str, list[str]] = {}
     # fused parameter -> the shard id its weight_loader expects for each entry above
-    packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = {}
+    packed_shard_ids: dict[str, tuple[ShardId, ...]] = {}
     # fused parameters the checkpoint holds whole (Phi-3's qkv_proj, gate_up_proj): loaded with shard id
     # FUSED, their weight_loader splits the parts and cuts each rank's slice of each
-    fused_checkpoint_modules: ClassVar[tuple[str, ...]] = ()
+    fused_checkpoint_modules: tuple[str, ...] = ()
     # substrings of checkpoint names that hold no parameter (recomputed buffers)
     ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 

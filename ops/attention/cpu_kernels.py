@@ -1,5 +1,6 @@
 """The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
-`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`), compiled into one library once per machine at first use and cached.
+`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`,
+`../csrc/gguf_gemm.cpp`), compiled into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so concurrent
@@ -49,6 +50,7 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "fused_layers.cpp",  # ops/fused.py's norm, rotary and SiLU kernels
     Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
     Path(__file__).parents[1] / "csrc" / "kv_write.cpp",  # ops/cache_ops.py's write_to_paged_cache
+    Path(__file__).parents[1] / "csrc" / "gguf_gemm.cpp",  # model_exec/layers/quantization's GGUF linear
 ]
 # Headers the sources include: part of `build_name`'s hash, so an edited header builds anew too.
 _HEADERS = [Path(__file__).parents[1] / "csrc" / "vec_math.h"]
@@ -63,6 +65,7 @@ _OPS = (
     "panel_linear",
     "panel_linear_silu_mul",
     "write_kv_cache",
+    "gguf_linear",
 )
 
 

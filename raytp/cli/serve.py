@@ -113,11 +113,11 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
     from ray import serve
 
     from cluster.ray_utils import ensure_ray
-    from raytp.cli.haproxy_env import release, use_private_haproxy
-    from raytp.cli.port_guard import claim_port
     from raytp.openai.request_id import enable_proxy_guard
     from raytp.serve.app import build_app
     from raytp.serve.args import use_serve_defaults
+    from raytp.serve.haproxy_env import release, use_private_haproxy
+    from raytp.serve.port_guard import claim_port
 
     sa = ServeArgs.from_dict(serve_args)  # refuse bad flags before starting anything
     for model in sa.models:

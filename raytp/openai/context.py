@@ -26,6 +26,7 @@ import jinja2.sandbox
 from jinja2.exceptions import TemplateError
 
 from cluster.pooling import pair_token_ids
+from raytp.chat_template import ChatTemplateError, render_chat, template_message
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import bad_request
@@ -132,13 +133,14 @@ class ServingContext:
         self._check_chars(sum(map(_chars, convo)) + (_chars(tools) if tools else 0), "messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template; use /v1/completions.", "messages")
-        extra = dict(template_kwargs or {})
-        if tools is not None:
-            extra["tools"] = tools
         if template_kwargs:
             self._check_template_kwargs(template_kwargs)
         try:
-            ids = await self._off_loop(self._apply_template, convo, add_generation_prompt, extra)
+            ids = await self._off_loop(
+                render_chat, self.tokenizer, convo, add_generation_prompt, tools, template_kwargs
+            )
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
         except TemplateError as e:  # the template's own refusal (raise_exception): its words are for the user
             raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages") from None
         except Exception:  # a Python error inside the template: its text is an internal, not for the client
@@ -164,16 +166,6 @@ class ServingContext:
                 "chat_template_kwargs",
             )
 
-    def _apply_template(
-        self, convo: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]
-    ) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            convo, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-
 
 # apply_chat_template's own arguments and the variables the server fills from the request's fields
 _SERVER_TEMPLATE_ARGS = frozenset(
@@ -191,26 +183,11 @@ def template_variables(template: str) -> frozenset[str]:
 
 
 def chat_message(m: ChatMessageIn) -> dict[str, Any]:
-    """A message as chat templates read it. Earlier tool calls' arguments go in as objects (templates
-    write them with `tojson`), as vLLM passes them; OpenAI sends them as JSON text."""
-    out: dict[str, Any] = {"role": m.role, "content": _content_text(m)}
-    if m.name is not None:  # templates that know names use it; others ignore it
-        out["name"] = m.name
-    if m.tool_calls:
-        calls = []
-        for call in m.tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                raise bad_request(
-                    f"messages: the arguments of tool call {call.id!r} are not JSON.", "messages"
-                ) from None
-            function = {"name": call.function.name, "arguments": arguments}
-            calls.append({"id": call.id, "type": call.type, "function": function})
-        out["tool_calls"] = calls
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    return out
+    """A message as chat templates read it: the rules `LLM.chat` follows too (raytp/chat_template.py)."""
+    try:
+        return template_message(m.model_dump(exclude_none=True))
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
 
 
 def _chars(value: Any) -> int:
@@ -218,14 +195,3 @@ def _chars(value: Any) -> int:
     if isinstance(value, dict) and set(value) == {"role", "content"}:
         return len(value["role"]) + len(value["content"])
     return len(json.dumps(value, ensure_ascii=False))
-
-
-def _content_text(m: ChatMessageIn) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    parts = []
-    for p in m.content:
-        if p.type != "text" or p.text is None:
-            raise bad_request(f"messages content parts of type {p.type!r} are not supported (text only).", "messages")
-        parts.append(p.text)
-    return "\n".join(parts)

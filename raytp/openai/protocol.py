@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from raytp.openai.base import OpenAIModel, OpenAIRequest
 from raytp.openai.structured import ResponseFormat, StructuredOutputsIn
@@ -126,6 +126,17 @@ class FunctionDefinition(OpenAIRequest):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments ({})
     strict: bool | None = None  # arguments exactly as the schema says (enforced by a constraint)
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI's rule (vLLM's too): a function's arguments are a JSON object, so its schema is of type
+        "object" ({} and a schema with `properties` but no `type` mean the same). A string schema under
+        tool_choice "required" would otherwise constrain the call into something no parser reads."""
+        if v is None or v.get("type") == "object" or ("type" not in v and (not v or "properties" in v)):
+            return v
+        what = f"type {v['type']!r}" if "type" in v else "no type and no properties"
+        raise ValueError(f'function parameters must be a JSON schema of type "object"; this one has {what}.')
 
 
 class ChatTool(OpenAIRequest):

@@ -89,7 +89,8 @@ def _from_response_format(rf: ResponseFormat) -> dict[str, Any] | None:
         return {"json": rf.json_schema.schema_}
     if rf.structures is None or rf.triggers is None:
         raise RequestError("response_format of type structural_tag needs structures and triggers.", "response_format")
-    return {"structural_tag": {"structures": rf.structures, "triggers": rf.triggers}}
+    structures = [t.model_dump(by_alias=True) for t in rf.structures]
+    return {"structural_tag": {"structures": structures, "triggers": rf.triggers}}
 
 
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:

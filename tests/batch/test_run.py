@@ -3,7 +3,8 @@
 One local Ray per module (8 logical CPUs: each engine replica's worker holds a 1-CPU bundle, and
 Ray Data's read tasks take CPUs of their own).
 The reference is an uninterrupted 1-replica run; greedy and seeded rows make every rerun's bodies
-equal to it, so "nothing lost or doubled" is checked body by body.
+equal to it, so "nothing lost or doubled" is checked body by body. It is also the finished job whose
+rows, failures and rerun the first two tests check (each once ran a batch of its own for that).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import ray
 
 from raytp.batch.replica import CONTROLLER_PREFIX
 from raytp.batch.runner import BatchJob, run_batch
+from raytp.batch.status import BatchStatus
 from tests.batch.helpers import BAD_IDS, ENGINE, MODEL_NAME, by_id, engine_config, mixed_rows, read_lines, write_rows
 
 pytestmark = pytest.mark.slow
@@ -35,19 +38,31 @@ def job(tmp: Path, model_dir: str, src: Path, replicas: int = 1, batch_size: int
     )  # fmt: skip
 
 
+@dataclass
+class Reference:
+    """The uninterrupted run of the long file (1 replica): its directory, input rows, status and answers."""
+
+    dir: Path
+    src: Path
+    rows: list[dict[str, Any]]
+    status: BatchStatus
+    got: dict[str, Any]  # custom_id -> (status, body)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, model_dir: str, cluster: str) -> dict[str, Any]:
-    """The uninterrupted run of the long file (1 replica): custom_id -> (status, body)."""
+def reference(tmp_path_factory: pytest.TempPathFactory, model_dir: str, cluster: str) -> Reference:
+    """One finished job that every test of this module reads (each test once ran its own): a test may rerun
+    it, which must change nothing, but NOT write into its directory otherwise."""
     tmp = tmp_path_factory.mktemp("reference")
-    src = write_rows(tmp / "in.jsonl", mixed_rows(num_plain=24, max_tokens=24))
+    rows = mixed_rows(num_plain=24, max_tokens=24)
+    src = write_rows(tmp / "in.jsonl", rows)
     status = run_batch(job(tmp, model_dir, src))
     assert status.status == "completed"
-    return by_id(read_lines(tmp / "out.jsonl", tmp / "err.jsonl"))
+    return Reference(tmp, src, rows, status, by_id(read_lines(tmp / "out.jsonl", tmp / "err.jsonl")))
 
 
-def test_every_row_answered_once_and_failures_split(tmp_path: Path, model_dir: str, cluster: str) -> None:
-    rows = mixed_rows()
-    status = run_batch(job(tmp_path, model_dir, write_rows(tmp_path / "in.jsonl", rows)))
+def test_every_row_answered_once_and_failures_split(reference: Reference) -> None:
+    tmp_path, rows, status = reference.dir, reference.rows, reference.status
     ok, failed = read_lines(tmp_path / "out.jsonl"), read_lines(tmp_path / "err.jsonl")
     assert {x["custom_id"] for x in failed} == BAD_IDS
     got = by_id(ok + failed)
@@ -59,15 +74,14 @@ def test_every_row_answered_once_and_failures_split(tmp_path: Path, model_dir: s
     assert got["logprobs"][1]["choices"][0]["logprobs"]["top_logprobs"][0]
     assert got["chat"][1]["object"] == "chat.completion" and got["chat"][1]["model"] == MODEL_NAME
     assert all(x["error"] is None for x in ok) and all(x["error"]["message"] for x in failed)
-    assert (status.status, status.completed, status.failed, status.total) == ("completed", 11, 4, 15)
+    assert (status.status, status.completed, status.failed, status.total) == ("completed", 29, 4, 33)
     assert status.completion_tokens > 0
 
 
-def test_a_rerun_of_a_finished_job_changes_nothing(tmp_path: Path, model_dir: str, cluster: str) -> None:
-    src = write_rows(tmp_path / "in.jsonl", mixed_rows(num_plain=2))
-    run_batch(job(tmp_path, model_dir, src))
+def test_a_rerun_of_a_finished_job_changes_nothing(reference: Reference, model_dir: str, cluster: str) -> None:
+    tmp_path = reference.dir
     first = (tmp_path / "out.jsonl").read_text(), (tmp_path / "err.jsonl").read_text()
-    run_batch(job(tmp_path, model_dir, src))
+    run_batch(job(tmp_path, model_dir, reference.src))
     assert ((tmp_path / "out.jsonl").read_text(), (tmp_path / "err.jsonl").read_text()) == first
 
 
@@ -76,7 +90,7 @@ def _journal_lines(path: Path) -> int:
 
 
 def test_driver_kill9_then_rerun_equals_an_uninterrupted_run(
-    tmp_path: Path, model_dir: str, cluster: str, reference: dict[str, Any]
+    tmp_path: Path, model_dir: str, cluster: str, reference: Reference
 ) -> None:
     src = write_rows(tmp_path / "in.jsonl", mixed_rows(num_plain=24, max_tokens=24))
     engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
@@ -93,14 +107,14 @@ def test_driver_kill9_then_rerun_equals_an_uninterrupted_run(
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     committed = _journal_lines(journal)
-    assert 3 <= committed < len(reference), committed
+    assert 3 <= committed < len(reference.got), committed
     assert not (tmp_path / "out.jsonl").exists()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=400)
-    assert by_id(read_lines(tmp_path / "out.jsonl", tmp_path / "err.jsonl")) == reference
+    assert by_id(read_lines(tmp_path / "out.jsonl", tmp_path / "err.jsonl")) == reference.got
 
 
 def test_an_engine_replica_killed_mid_job_loses_and_doubles_nothing(
-    tmp_path: Path, model_dir: str, cluster: str, reference: dict[str, Any]
+    tmp_path: Path, model_dir: str, cluster: str, reference: Reference
 ) -> None:
     src = write_rows(tmp_path / "in.jsonl", mixed_rows(num_plain=24, max_tokens=24))
     journal = tmp_path / "out.jsonl.journal"
@@ -122,6 +136,6 @@ def test_an_engine_replica_killed_mid_job_loses_and_doubles_nothing(
     status = run_batch(job(tmp_path, model_dir, src, replicas=2, batch_size=2))
     killer.join()
     assert killed, "no engine replica was alive to kill"
-    assert _journal_lines(journal) == len(reference)
+    assert _journal_lines(journal) == len(reference.got)
     assert status.status == "completed"
-    assert by_id(read_lines(tmp_path / "out.jsonl", tmp_path / "err.jsonl")) == reference
+    assert by_id(read_lines(tmp_path / "out.jsonl", tmp_path / "err.jsonl")) == reference.got

@@ -22,7 +22,8 @@ from cluster.outputs import RequestDelta
 from cluster.ray_executor import RankFailedError
 from raytp import LLM, LoRAError, LoRARequest, SamplingParams
 from tests.cluster.ray_helpers import ray_session  # noqa: F401 - the fixture
-from tests.helpers.family_parity import ENGINE_KWARGS, ENGINE_PROMPTS, hf_greedy_generate, hf_model
+from tests.helpers.family_parity import ENGINE_KWARGS, ENGINE_PROMPTS, hf_model
+from tests.helpers.hf_reference import hf_greedy_generate
 from tests.helpers.lora_models import hf_merged_model, make_peft_adapter
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -59,7 +60,7 @@ def adapters(model: str, root: Path) -> dict[str, LoRARequest]:
 @torch.inference_mode()
 def hf_greedy(model: str, adapter_path: str | None, prompt: tuple[int, ...]) -> list[int]:
     net = hf_merged_model(model, adapter_path) if adapter_path else hf_model(model)
-    out = hf_greedy_generate(net, prompt, MAX_NEW)
+    out = hf_greedy_generate(net, [prompt], MAX_NEW)
     return out[0, len(prompt) :].tolist()
 
 

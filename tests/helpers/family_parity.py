@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from model_exec.parallel import TPGroup
+from tests.helpers.hf_reference import hf_greedy_generate
 from tests.helpers.tiny_models import (
     hf_prefill_logits,
     load_our_model,
@@ -107,28 +108,9 @@ def hf_greedy_with_logprobs(model_dir: str, prompt: list[int]) -> tuple[list[int
 
 
 @torch.inference_mode()
-def hf_greedy_generate(model: torch.nn.Module, prompt: tuple[int, ...], max_new: int = MAX_NEW, **extra: Any) -> Any:
-    """HF's greedy `generate` of exactly `max_new` tokens after `prompt` (no EOS stop, sampling knobs off), the
-    reference every engine parity test compares with; `extra`: more generate arguments."""
-    inp = torch.tensor([prompt])
-    return model.generate(
-        inp,
-        attention_mask=torch.ones_like(inp),
-        do_sample=False,
-        max_new_tokens=max_new,
-        min_new_tokens=max_new,
-        eos_token_id=None,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        **extra,
-    )
-
-
 @functools.lru_cache(maxsize=16)  # a family's TP 1 and TP 2 engine tests compare with the same references
 def _hf_greedy_with_logprobs(model_dir: str, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
-    gen = hf_greedy_generate(hf_model(model_dir), prompt, output_logits=True, return_dict_in_generate=True)
+    gen = hf_greedy_generate(hf_model(model_dir), [prompt], MAX_NEW, output_logits=True, return_dict_in_generate=True)
     tokens = gen.sequences[0, len(prompt) :].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(gen.logits, tokens, strict=True)]
     return tokens, logprobs

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from raytp.cli.haproxy_env import (
+from raytp.serve.args import SERVE_ENV_DEFAULTS
+from raytp.serve.haproxy_env import (
     FALLBACK_PORT_ENV,
     free_port,
     make_server_dir,
     private_haproxy_env,
     real_haproxy_binary,
 )
-from raytp.serve.args import SERVE_ENV_DEFAULTS
 
 
 @contextmanager
@@ -25,10 +25,10 @@ def serve_defaults() -> Iterator[Path]:
     and this process's environment as it was afterwards: otherwise the mode leaks into every later test
     module's Ray, and what a module tests depends on which modules ran before it.
 
-    HAProxy runs as `raytp serve` runs it (raytp/cli/haproxy_env.py): its config in a private directory,
+    HAProxy runs as `raytp serve` runs it (raytp/serve/haproxy_env.py): its config in a private directory,
     no stats page or exporter on Ray's fixed ports 8404/9101, the fallback proxy on a free port. So two test
     servers (two test runs, or a test beside a `raytp serve`) never collide on a port. Yields that directory:
-    remove it (`raytp.cli.haproxy_env.release`) once the block's Ray is shut down."""
+    remove it (`raytp.serve.haproxy_env.release`) once the block's Ray is shut down."""
     directory = make_server_dir()
     with pytest.MonkeyPatch.context() as env:
         for name, value in SERVE_ENV_DEFAULTS.items():

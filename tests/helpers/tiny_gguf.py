@@ -154,13 +154,19 @@ def gguf_tensors(hf_dir: Path, arch: str, cfg: dict[str, Any]) -> dict[str, np.n
 
 
 def write_tiny_gguf(
-    hf_dir: str | Path, out_dir: str | Path, sampling: dict[str, float] | None = None, eot_id: int | None = None
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    sampling: dict[str, float] | None = None,
+    eot_id: int | None = None,
+    quant_types: dict[str, Any] | None = None,
 ) -> str:
     """`out_dir`/model.gguf from the tiny HF model in `hf_dir` (see the module's docstring); returns the dir.
 
     `sampling`: `general.sampling.*` keys to write (temp, top_k, top_p, min_p, penalty_repeat), as llama.cpp's
     converter writes them from a generation_config.json; `eot_id`: an end-of-turn token id (Llama 3's
-    <|eot_id|>), which llama.cpp stops at as it stops at EOS.
+    <|eot_id|>), which llama.cpp stops at as it stops at EOS. `quant_types`: GGUF tensor-name substring ->
+    gguf.GGMLQuantizationType, the first match quantizes a 2-D tensor with whole blocks in its rows (by the
+    `gguf` package's own quantizer, as llama.cpp's converter writes Q8_0); the rest stay F32.
     """
     import gguf
 
@@ -178,7 +184,12 @@ def write_tiny_gguf(
     for key, value in (sampling or {}).items():
         getattr(writer, f"add_sampling_{key}")(value)
     for name, array in gguf_tensors(hf_dir, arch, cfg).items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        qtype = next((q for key, q in (quant_types or {}).items() if key in name), None)
+        if qtype is not None and array.ndim == 2 and array.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from raytp.cli.haproxy_env import release
+from raytp.serve.haproxy_env import release
 from tests.helpers.serve_env import serve_defaults
 from tests.metrics.prom import free_port
 

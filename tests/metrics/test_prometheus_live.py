@@ -135,8 +135,7 @@ def live(ray_metrics_port: int, tmp_path_factory: pytest.TempPathFactory) -> Ite
                         _wait_until_stored(prom, sent)
             yield Live(nodes, api, recorder)
     finally:
-        api_server.shutdown()
-        serve.shutdown()
+        api_server.shutdown()  # Serve ends with the module's Ray (conftest.py), as `raytp serve` ends it
 
 
 @pytest.mark.parametrize("path", ["nodes", "api"])

@@ -140,28 +140,27 @@ def _wait_value(prom: Prometheus, expr: str, expected: float, timeout_s: float =
 
 @pytest.fixture(scope="module")
 def live(ray_metrics_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    # Serve ends with the module's Ray (conftest.py), at once, as `raytp serve` ends it: serve.shutdown()
+    # would wait out Serve's 30 s drain period for direct-ingress replicas.
     http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    try:
-        args = {**ENGINE, "api_key": API_KEY, "served_model_name": SERVED_NAME}
-        serve.run(build_app(args), name="raytp", route_prefix="/")
-        base = f"http://127.0.0.1:{http_port}"
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        assert model == SERVED_NAME
-        work = tmp_path_factory.mktemp("prometheus")
-        with Prometheus(work, [job("ray", [f"127.0.0.1:{ray_metrics_port}"])]) as prom:
-            prom.wait_for_targets()
-            # The controller creates its counters at 0: Prometheus must store that before the first rise.
-            assert _wait_value(prom, "sum(ray_raytp_generation_tokens_total)", 0.0) == 0.0
-            tally = Tally()
-            for _ in range(2):
-                _round(client, model, tally)
-                got = _wait_value(prom, "sum(ray_raytp_generation_tokens_total)", tally.completion_tokens)
-                assert got == tally.completion_tokens, "generation_tokens must equal the completion tokens received"
-            yield Live(base, prom, tally)
-    finally:
-        serve.shutdown()
+    args = {**ENGINE, "api_key": API_KEY, "served_model_name": SERVED_NAME}
+    serve.run(build_app(args), name="raytp", route_prefix="/")
+    base = f"http://127.0.0.1:{http_port}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    assert model == SERVED_NAME
+    work = tmp_path_factory.mktemp("prometheus")
+    with Prometheus(work, [job("ray", [f"127.0.0.1:{ray_metrics_port}"])]) as prom:
+        prom.wait_for_targets()
+        # The controller creates its counters at 0: Prometheus must store that before the first rise.
+        assert _wait_value(prom, "sum(ray_raytp_generation_tokens_total)", 0.0) == 0.0
+        tally = Tally()
+        for _ in range(2):
+            _round(client, model, tally)
+            got = _wait_value(prom, "sum(ray_raytp_generation_tokens_total)", tally.completion_tokens)
+            assert got == tally.completion_tokens, "generation_tokens must equal the completion tokens received"
+        yield Live(base, prom, tally)
 
 
 def test_every_dashboard_query_returns_data(live: Live) -> None:

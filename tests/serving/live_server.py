@@ -1,8 +1,12 @@
-"""A live raytp Serve app on 127.0.0.1 for the serving tests: one per test module.
+"""A live raytp Serve app on 127.0.0.1 for the serving tests: one per test module, or the shared one.
 
-Each module gets its own local Ray (4 logical CPUs, so TP workers' 1-CPU bundles fit on a
+Each server gets its own local Ray (4 logical CPUs, so TP workers' 1-CPU bundles fit on a
 2-core machine) and a free port; nothing is hard-coded. The test process is the Ray
 driver, so tests can also reach the deployments (for get_stats) and the actors.
+
+One Ray per process: starting a server ends the one before it. `shared_server()` is the exception that
+outlives a module: modules that need the plain SMALL_ENGINE server and change nothing about it share one
+(tests/serving/conftest.py orders them next to each other, so it starts once).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +23,9 @@ import ray
 import requests
 from ray import serve
 
-from raytp.cli.haproxy_env import release
 from raytp.openai.request_id import enable_proxy_guard
 from raytp.serve.app import build_app
+from raytp.serve.haproxy_env import release
 from tests.helpers.ports import free_port
 from tests.helpers.serve_env import serve_defaults
 
@@ -69,6 +73,7 @@ class LiveServer:
 
 @contextmanager
 def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]:
+    stop_shared_server()  # its Ray is about to end: forget it, so the next user starts a fresh one
     if ray.is_initialized():
         ray.shutdown()
     enable_proxy_guard()  # as `raytp serve` does: the proxies it starts validate X-Request-Id,
@@ -80,9 +85,43 @@ def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]
         serve.run(build_app(args), name=APP, route_prefix="/")
         yield LiveServer(f"http://127.0.0.1:{port}", "LLMServer" if args.get("split_ingress") else "OpenAIIngress")
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_serve_with_ray()
         release(haproxy_dir)
+
+
+def stop_serve_with_ray() -> None:
+    """End a test's Serve as `raytp serve` ends its own (raytp/cli/serve.py `_teardown`): `ray.shutdown()` at
+    once. `serve.shutdown()` first would wait out Serve's drain period for direct-ingress replicas (30 s in
+    Ray 2.60, "Controller failed to shut down within 30.0s") at every module's end, about 6 minutes a suite;
+    the local Ray's end ends every replica, engine worker and HAProxy (haproxy_shim.py) of it."""
+    ray.shutdown()
+
+
+_shared: tuple[ExitStack, LiveServer] | None = None
+
+
+def shared_server() -> LiveServer:
+    """The SMALL_ENGINE server (SmolLM2, TP=1, one replica, no API key, max_num_seqs 256), started on first use
+    and kept until another server starts or the serving tests end.
+
+    NOT for a test that changes the server: kills or restarts its engine, replicas or workers, loads or
+    unloads LoRA adapters, needs other flags (API key, limits, replicas, TP), reads counters that other
+    modules' requests also move without taking a before/after difference, or leaves requests running.
+    A test using it must leave the engine idle with every KV block free (`wait_idle`), as the modules that
+    use it check after each test."""
+    global _shared
+    if _shared is None:
+        stack = ExitStack()
+        server = stack.enter_context(live_server(SMALL_ENGINE))
+        _shared = (stack, server)
+    return _shared[1]
+
+
+def stop_shared_server() -> None:
+    global _shared
+    if _shared is not None:
+        stack, _shared = _shared[0], None
+        stack.close()
 
 
 def sse_payloads(resp: requests.Response) -> list[Any]:

@@ -1,75 +1,18 @@
-"""`raytp serve` as a user runs it: one command starts Ray, deploys, prints its URL, serves, and
-stops cleanly on Ctrl-C (SIGINT) or SIGTERM. A tiny model keeps it quick; the API key comes
-from RAYTP_API_KEY.
+"""`raytp serve`'s command line without a server: what it refuses before starting Ray, and the cores it claims.
+
+A started `raytp serve` (its banner, RAYTP_API_KEY, a completion, and a clean stop on Ctrl-C and on
+SIGTERM) is tests/serving/test_serve_lifecycle.py's: one server start there proves all of it, where this
+module once started two more servers (one per signal) to prove the same.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from raytp.cli.main import main
-from tests.helpers.tiny_models import make_tiny_llama
-from tests.serving.live_server import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-def _lines(stream: object, out: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        out.put(line)
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_raytp_serve_starts_serves_and_stops(model_dir: str, sig: signal.Signals) -> None:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAYTP_API_KEY"] = "cli-key"
-    cmd = [sys.executable, "-m", "raytp.cli.main", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--max-model-len", "128", "--kv-cache-memory-bytes", str(1 << 22), "--swap-space", "0.01"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
-    seen: list[str] = []
-    try:
-        deadline = time.monotonic() + 180
-        while not any("raytp: serving" in line for line in seen):
-            assert proc.poll() is None, "raytp serve exited early:\n" + "".join(seen[-40:])
-            assert time.monotonic() < deadline, "raytp serve did not come up:\n" + "".join(seen[-40:])
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=1))
-        banner = next(line for line in seen if "raytp: serving" in line)
-        assert f"http://127.0.0.1:{port}/v1" in banner
-        base = f"http://127.0.0.1:{port}"
-        assert requests.get(base + "/v1/models", timeout=30).status_code == 401
-        auth = {"Authorization": "Bearer cli-key"}
-        models = requests.get(base + "/v1/models", headers=auth, timeout=30).json()
-        assert [m["id"] for m in models["data"]] == [model_dir]
-        r = requests.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        proc.send_signal(sig)
-        assert proc.wait(timeout=90) == 0
-        with pytest.raises(requests.ConnectionError):
-            requests.get(base + "/health", timeout=5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_raytp_serve_refuses_a_bad_model_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:

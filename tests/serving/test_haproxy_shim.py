@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from raytp.cli.haproxy_env import PREFIX, private_haproxy_env, real_haproxy_binary, remove_stale_server_dirs
-from raytp.cli.haproxy_shim import narrow_config
-from raytp.cli.port_guard import holders, is_leftover_haproxy, listening_inodes
+from raytp.serve.haproxy_env import PREFIX, private_haproxy_env, real_haproxy_binary, remove_stale_server_dirs
+from raytp.serve.haproxy_shim import narrow_config
+from raytp.serve.port_guard import holders, is_leftover_haproxy, listening_inodes
 from tests.helpers.ports import free_port
 
 
@@ -154,7 +154,7 @@ def test_haproxy_through_the_shim_serves_privately_and_dies_with_its_parent(tmp_
 def test_a_leftover_haproxy_on_the_api_port_is_stopped_at_the_next_start(tmp_path: Path) -> None:
     """An HAProxy started without the shim (as Ray does on its own) outlives its parent: the orphan keeps
     the API port until `claim_port`, which the next `raytp serve` runs before starting Ray, stops it."""
-    from raytp.cli.port_guard import claim_port
+    from raytp.serve.port_guard import claim_port
 
     port = free_port()
     config = _ray_config(tmp_path, port)
@@ -191,7 +191,7 @@ def test_server_dirs_of_dead_owners_are_removed(tmp_path: Path) -> None:
 
 
 def test_a_port_held_by_a_process_that_is_no_haproxy_is_refused() -> None:
-    from raytp.cli.port_guard import PortInUseError, claim_port
+    from raytp.serve.port_guard import PortInUseError, claim_port
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -221,7 +221,7 @@ def test_health_is_503_at_once_while_no_replica_is_up(tmp_path: Path) -> None:
     import json
     import socket as sockets
 
-    from raytp.cli.haproxy_shim import answer_health_without_replicas
+    from raytp.serve.haproxy_shim import answer_health_without_replicas
 
     directory = Path(os.path.realpath(tmp_path))
     env = private_haproxy_env(directory, real_haproxy_binary())
@@ -274,7 +274,7 @@ def _check_error_response(raw: bytes, status: int) -> dict[str, object]:
 def test_haproxys_own_errors_come_from_openai_shaped_errorfiles(tmp_path: Path) -> None:
     """The launcher's shim replaces Ray's errorfiles (502/503/504 as a plain-text 500) with raytp's; HAProxy
     accepts the config, and each file it names is a complete response with an OpenAI-shaped body."""
-    from raytp.cli.haproxy_shim import use_error_files
+    from raytp.serve.haproxy_shim import use_error_files
 
     directory = Path(os.path.realpath(tmp_path))
     env = private_haproxy_env(directory, real_haproxy_binary())

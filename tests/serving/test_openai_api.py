@@ -16,7 +16,7 @@ import requests
 
 from raytp import LLM, SamplingParams
 from tests.cluster.reference import PROMPTS
-from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server, sse_payloads
+from tests.serving.live_server import LiveServer, sse_payloads
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +25,15 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
-    with live_server({**SMALL_ENGINE, "max_num_seqs": 64}) as s:
-        yield s
+def server(shared_live_server: LiveServer) -> LiveServer:
+    """The shared SMALL_ENGINE server (conftest.py): these tests only send requests and leave it idle."""
+    return shared_live_server
 
 
 @pytest.fixture(scope="module")
-def llm() -> Any:
+def llm(small_engine_llm: LLM) -> LLM:
     """The offline reference: the same engine in this process (in-process executor, TP=1)."""
-    llm = LLM(None, **SMALL_ENGINE)
-    yield llm
-    llm.llm_engine.shutdown()
+    return small_engine_llm
 
 
 @pytest.fixture(autouse=True)

@@ -233,7 +233,10 @@ PROBES: dict[tuple[str, str], tuple[dict[str, Any], Any]] = {
     ("StreamOptions", "continuous_usage_stats"): ({}, True),
     ("ResponseFormat", "type"): ({"type": "text"}, "json_object"),
     ("ResponseFormat", "json_schema"): ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, {"schema": {}}),
-    ("ResponseFormat", "structures"): ({"type": "structural_tag", "structures": [], "triggers": ["<a"]}, [TAG]),
+    ("ResponseFormat", "structures"): (
+        {"type": "structural_tag", "structures": [{**TAG, "begin": "<ab>"}], "triggers": ["<a"]},
+        [TAG],
+    ),
     ("ResponseFormat", "triggers"): ({"type": "structural_tag", "structures": [TAG], "triggers": ["<a"]}, ["<"]),
     ("JsonSchemaFormat", "name"): ({"schema": SCHEMA}, "n"),
     ("JsonSchemaFormat", "description"): ({"schema": SCHEMA}, "d"),

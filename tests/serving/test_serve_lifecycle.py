@@ -1,5 +1,7 @@
-"""`raytp serve`'s operational edges, on real servers (slow: three starts of a tiny model).
+"""`raytp serve` as a user runs it, and its operational edges, on real servers (slow: four starts of a tiny
+model, so each start proves as much as it can).
 
+- One command starts Ray, deploys, prints its URL and serves; the API key comes from RAYTP_API_KEY.
 - Two servers on one host, on different API ports, run side by side: each one's HAProxy listens on its
   own API port only (no shared stats/exporter ports to collide on).
 - Ctrl-C (SIGINT) and SIGTERM are back within seconds (Serve's graceful shutdown took 30-40 s), and
@@ -17,9 +19,10 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
-from raytp.cli.port_guard import listening_inodes
+from raytp.serve.port_guard import listening_inodes
 from tests.helpers.ports import free_port
 from tests.helpers.serve_cli import SMALL, ServeProcess, raytp_serve, wait_gone
 from tests.helpers.tiny_models import make_tiny_llama
@@ -64,14 +67,35 @@ def _fallback_proxy_ports(processes: dict[int, str]) -> set[int]:
     return {p for pid, cmd in processes.items() if cmd.startswith("ray::ProxyActor") for p in _loopback_listeners(pid)}
 
 
-def _models(base: str) -> int:
-    return requests.get(base + "/v1/models", timeout=30).status_code
+KEY = "cli-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _models(base: str, headers: dict[str, str] | None = None) -> int:
+    return requests.get(base + "/v1/models", headers=headers, timeout=30).status_code
+
+
+def _serves_as_the_readme_says(server: ServeProcess, model: str) -> None:
+    """The banner names the URL; without the RAYTP_API_KEY key a request is 401, with it the model answers."""
+    banner = next(line for line in server.seen if "raytp: serving" in line)
+    assert f"{server.base}/v1" in banner
+    assert _models(server.base) == 401
+    models = requests.get(server.base + "/v1/models", headers=AUTH, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [model]
+    body = {"prompt": "hi", "max_tokens": 4}
+    r = requests.post(server.base + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def _refuses_connections(server: ServeProcess) -> None:
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.base + "/health", timeout=5)
 
 
 def test_side_by_side_fast_stops_nothing_left_and_a_killed_server_restarts(tmp_path: Path) -> None:
     model = make_tiny_llama(tmp_path)
     port_a, port_b = free_port(), free_port()
-    with raytp_serve(model, port_a, *SMALL) as a:
+    with raytp_serve(model, port_a, *SMALL, env={"RAYTP_API_KEY": KEY}) as a:
         a.wait_until_serving()  # one start at a time: two Ray clusters starting at once can time out on 2 cores
         with raytp_serve(model, port_b, *SMALL) as b:
             b.wait_until_serving()
@@ -79,8 +103,10 @@ def test_side_by_side_fast_stops_nothing_left_and_a_killed_server_restarts(tmp_p
 
 
 def _side_by_side_then_stopped(model: str, a: ServeProcess, b: ServeProcess, port_a: int, port_b: int) -> None:
-    """Both serve, each HAProxy on its own port; then A by Ctrl-C, B by kill -9, C on B's port by SIGTERM."""
-    assert _models(a.base) == 200 and _models(b.base) == 200
+    """Both serve (A with an API key), each HAProxy on its own port; then A by Ctrl-C, B by kill -9, C on B's
+    port by SIGTERM."""
+    _serves_as_the_readme_says(a, model)
+    assert _models(b.base) == 200
     for server, port in ((a, port_a), (b, port_b)):
         haproxies = _haproxy_ports(server.processes(), [port_a, port_b])
         assert haproxies and all(p == {port} for p in haproxies.values()), haproxies
@@ -90,6 +116,7 @@ def _side_by_side_then_stopped(model: str, a: ServeProcess, b: ServeProcess, por
 
     took = a.stop_within(signal.SIGINT, STOP_S)
     assert not wait_gone(a, 5), f"left running after Ctrl-C ({took:.1f} s): {a.processes()}"
+    _refuses_connections(a)
     assert _models(b.base) == 200  # the other server is untouched
 
     b.proc.kill()  # kill -9 of `raytp serve` alone: its children get no signal from us
@@ -105,6 +132,7 @@ def _side_by_side_then_stopped(model: str, a: ServeProcess, b: ServeProcess, por
         assert _models(c.base) == 200
         took = c.stop_within(signal.SIGTERM, STOP_S)
         assert not wait_gone(c, 5), f"left running after SIGTERM ({took:.1f} s): {c.processes()}"
+        _refuses_connections(c)
     assert not wait_gone(b, 90), f"Ray's agents outlived the killed server: {b.processes()}"
 
 

@@ -16,7 +16,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server
+from tests.serving.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +33,9 @@ class City(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
-    with live_server({**SMALL_ENGINE, "max_num_seqs": 256}) as s:
-        yield s
+def server(shared_live_server: LiveServer) -> LiveServer:
+    """The shared SMALL_ENGINE server (conftest.py): these tests only send requests and leave it idle."""
+    return shared_live_server
 
 
 @pytest.fixture(autouse=True)

@@ -27,10 +27,8 @@ def server() -> Any:
 
 
 @pytest.fixture(scope="module")
-def llm() -> Any:
-    llm = LLM(None, **SMALL_ENGINE)
-    yield llm
-    llm.llm_engine.shutdown()
+def llm(small_engine_llm: LLM) -> LLM:
+    return small_engine_llm
 
 
 def test_tp3_endpoint_greedy_equals_tp1(server: LiveServer, llm: LLM) -> None:

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serving.live_server import SMALL_ENGINE, LiveServer, live_server
+from tests.serving.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
-    with live_server(SMALL_ENGINE) as s:
-        yield s
+def server(shared_live_server: LiveServer) -> LiveServer:
+    """The shared SMALL_ENGINE server (conftest.py): these tests only send requests and leave it idle."""
+    return shared_live_server
 
 
 @pytest.fixture(autouse=True)

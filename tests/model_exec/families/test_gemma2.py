@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_exec.architectures import ARCHITECTURES
 from model_exec.config import HIDDEN_ACTS
 from model_exec.layers.activation import ACT_AND_MUL, GeluTanhAndMul
 from model_exec.layers.norm import GemmaRMSNorm
 from model_exec.models import build_model
-from model_exec.models.gemma2 import GemmaOptions
+from model_exec.models.options import DecoderOptions
 from model_exec.parallel import TPGroup
 from model_exec.source import read_model_config, resolve_model
 from ops.attention import get_attn_backend
@@ -87,7 +88,9 @@ def test_transformers4_config_json_reads_as_hf_defaults_it(gemma2_dir: str, tmp_
     old_config = read_model_config(resolve_model(str(old_dir)))
     assert old_config == new_config
     assert old_config.layer_windows == (8, None, 8, None) and old_config.tie_word_embeddings
-    assert GemmaOptions.parse(old_config) == GemmaOptions.parse(new_config) == GemmaOptions(24**-0.5, 5.0, 30.0)
+    spec = ARCHITECTURES["Gemma2ForCausalLM"].decoder
+    parsed = DecoderOptions.parse(old_config, spec)
+    assert parsed == DecoderOptions.parse(new_config, spec) == DecoderOptions(spec, 24**-0.5, 5.0, 30.0)
     for bad in (
         {"query_pre_attn_scalar": None},
         {"final_logit_softcapping": -1.0},
@@ -95,7 +98,7 @@ def test_transformers4_config_json_reads_as_hf_defaults_it(gemma2_dir: str, tmp_
     ):
         (old_dir / "config.json").write_text(json.dumps({**old, **bad}))
         with pytest.raises(ValueError, match=next(iter(bad))):
-            GemmaOptions.parse(read_model_config(resolve_model(str(old_dir))))
+            DecoderOptions.parse(read_model_config(resolve_model(str(old_dir))), spec)
 
 
 def test_bfloat16_norms_and_embedding_scale_round_as_hf(gemma2_dir: str) -> None:

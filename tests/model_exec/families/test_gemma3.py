@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from model_exec.architectures import ARCHITECTURES
 from model_exec.config import ModelConfig
-from model_exec.models.gemma3 import Gemma3ForCausalLM, rope_by_layer_type
+from model_exec.models.options import DecoderOptions, rope_by_layer_type
 from model_exec.source import read_model_config, resolve_model
 from tests.helpers.family_parity import (
     assert_engine_matches_hf,
@@ -71,7 +72,7 @@ def test_engine_over_ray_at_tp2_matches_hf(gemma3_dir: str) -> None:
 
 
 def _rope(config: ModelConfig) -> dict[str, tuple[float, object]]:
-    return {t: (c.rope_theta, c.rope_scaling) for t, c in rope_by_layer_type(config).items()}
+    return {t: (c.rope_theta, c.rope_scaling) for t, c in rope_by_layer_type(config, "rope_local_base_freq").items()}
 
 
 def test_transformers4_config_json_reads_as_hf_defaults_it(gemma3_dir: str, tmp_path: Path) -> None:
@@ -109,7 +110,8 @@ def test_transformers4_config_json_reads_as_hf_defaults_it(gemma3_dir: str, tmp_
 def test_attention_soft_cap_is_refused(gemma3_dir: str) -> None:
     """HF's Gemma 3 never applies attn_logit_softcapping; a config setting it is not served as if it did."""
     config = read_model_config(resolve_model(gemma3_dir))
-    assert Gemma3ForCausalLM.parse_options(config).attn_soft_cap is None
+    spec = ARCHITECTURES["Gemma3ForCausalLM"].decoder
+    assert DecoderOptions.parse(config, spec).attn_soft_cap is None
     capped = replace(config, hf={**config.hf, "attn_logit_softcapping": 50.0})
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        Gemma3ForCausalLM.parse_options(capped)
+        DecoderOptions.parse(capped, spec)

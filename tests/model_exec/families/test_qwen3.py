@@ -68,10 +68,11 @@ def test_qwen3_engine_over_ray_tp2_matches_hf(qwen3: str) -> None:
 def test_qwen3_registry_row() -> None:
     from model_exec.architectures import ARCHITECTURES
     from model_exec.models import get_model_class
-    from model_exec.models.qwen3 import Qwen3ForCausalLM
+    from model_exec.models.decoder import CausalDecoder
 
-    assert ARCHITECTURES["Qwen3ForCausalLM"].model_type == "qwen3"
-    assert get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
+    row = ARCHITECTURES["Qwen3ForCausalLM"]
+    assert row.model_type == "qwen3" and row.decoder.qk_norm
+    assert get_model_class("Qwen3ForCausalLM") is CausalDecoder
 
 
 @pytest.mark.parametrize("world_size", (2, 4))

@@ -100,8 +100,8 @@ def private_haproxy_env(directory: Path, real_binary: str) -> dict[str, str]:
     """Ray Serve's HAProxy variables pointing into `directory`, and the launcher written there (with the
     body HAProxy answers /health with while no replica is up: the ingress's own 503; and the errorfiles
     for HAProxy's own answers, in OpenAI's shape)."""
-    from raytp.cli.haproxy_shim import ERROR_FILES_ENV, HEALTH_503_ENV
     from raytp.openai.errors import ENGINE_UNAVAILABLE, OpenAIError
+    from raytp.serve.haproxy_shim import ERROR_FILES_ENV, HEALTH_503_ENV
 
     health = directory / "health-503.json"
     health.write_text(

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.workload import Request
+from benchmarks.common.workload import Request
 
 
 @dataclass

@@ -9,7 +9,7 @@ The conversion runs once into $RAYTP_CACHE_DIR/hf (default ~/.cache/raytp/hf), k
 file's path, size and mtime; it is written aside and renamed, so a crashed or concurrent run never
 leaves a half-written directory behind.
 
-    python -m benchmarks.hf_model            # prints the directory (converting first if needed)
+    python -m benchmarks.common.hf_model            # prints the directory (converting first if needed)
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from benchmarks.proc_mem import MemPeak, PeakSampler, tree
-from benchmarks.vllm_baseline import DTYPE, KV_CACHE_BYTES, server_command, vllm_env
+from benchmarks.common.proc_mem import MemPeak, PeakSampler, tree
+from benchmarks.common.vllm_baseline import DTYPE, KV_CACHE_BYTES, server_command, vllm_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

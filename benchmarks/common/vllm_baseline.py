@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.proc_mem import MemPeak, PeakSampler
+from benchmarks.common.proc_mem import MemPeak, PeakSampler
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KV_CACHE_GIB = 4  # both engines' KV budget: VLLM_CPU_KVCACHE_SPACE and raytp's kv_cache_memory_bytes
 KV_CACHE_BYTES = KV_CACHE_GIB << 30
 DTYPE = "float32"
@@ -71,7 +71,7 @@ class VllmOffline:
     so nothing it does while idle (its engine core and API processes poll their queues) can take CPU
     from raytp's rounds on a 2-core machine; raytp's engine runs in this process and is idle between
     its calls. vLLM's own timing starts after it is resumed. (The serving benchmark pauses each
-    server's whole tree likewise: benchmarks/servers.py.)
+    server's whole tree likewise: benchmarks/common/servers.py.)
     """
 
     def __init__(self, model_dir: str, log: IO[bytes] | None = None, seed: int = 0) -> None:

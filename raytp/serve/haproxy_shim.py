@@ -1,7 +1,7 @@
 """The HAProxy binary that Ray Serve runs for `raytp serve`: it narrows Ray's config, then becomes HAProxy.
 
 Ray Serve 2.60 starts HAProxy as `BINARY -db -f CONFIG ...` from its HAProxyManager actor, with
-RAY_SERVE_HAPROXY_BINARY_PATH as its one hook for which binary (`raytp/cli/haproxy_env.py` points it
+RAY_SERVE_HAPROXY_BINARY_PATH as its one hook for which binary (`raytp/serve/haproxy_env.py` points it
 at a launcher that runs this file: `python -I haproxy_shim.py REAL_HAPROXY ARGS...`). Run standalone,
 so it imports only the standard library.
 

@@ -1,0 +1,22 @@
+"""Quantized weights: per-linear methods (`base`), GGUF blocks kept on the CPU (`gguf`, `gguf_tensor`)."""
+
+from model_exec.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedLinearMethod,
+    current,
+    linear_method,
+    scope,
+)
+from model_exec.layers.quantization.gguf_tensor import GGUFTensor, as_float
+
+__all__ = [
+    "GGUFTensor",
+    "QuantizationConfig",
+    "QuantizeMethodBase",
+    "UnquantizedLinearMethod",
+    "as_float",
+    "current",
+    "linear_method",
+    "scope",
+]

@@ -1,0 +1,124 @@
+"""GGUF weights kept in their block layout on the CPU (Q8_0, Q4_0, Q4_1): `ops/csrc/gguf_gemm.cpp` multiplies
+with them directly, so a decode step reads the file's bytes per weight (0.625 for Q4_1) instead of fp32's 4.
+
+A layer's rows arrive per checkpoint tensor (q, k and v separately for a fused qkv_proj) and each may have
+its own GGML type (Q4_K_M files mix types inside one fused layer), so the method collects parts and, after
+loading, joins runs of the same type into segments: one kernel call per segment, their outputs side by side.
+A layer any of whose rows came as floats (a type without a kernel, a tensor-parallel cut between blocks)
+runs dequantized as one float matrix, exactly as without this method.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from model_exec.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedLinearMethod,
+    release,
+)
+from model_exec.layers.quantization.gguf_tensor import GGUFTensor
+from ops.attention import cpu_kernels
+
+if TYPE_CHECKING:
+    from model_exec.layers.linear import LinearBase
+
+
+def kernels_available() -> bool:
+    """True when the C++ kernels are built with their AVX2 path (the block kernel's fast path)."""
+    return cpu_kernels.load_error() is None and cpu_kernels.vectorized()
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [..., K] @ W^T for W's rows `raw` [N, bytes] in GGML type `qtype`'s block layout."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if rows.dtype != torch.float32:
+        raise ValueError(f"GGUF block weights multiply float32 activations, got {rows.dtype}")
+    y = torch.ops.raytp_cpu.gguf_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), raw, qtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])
+
+
+class GGUFLinearMethod(QuantizeMethodBase):
+    """One per layer (`GGUFConfig.linear_method` makes a fresh one): it holds the layer's rows."""
+
+    name = "gguf"
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, torch.Tensor | GGUFTensor]] = []  # (first row, rows) as loaded
+        self.segments: list[tuple[int, torch.Tensor]] = []  # (GGML type, block rows) after loading
+        self.dense: UnquantizedLinearMethod | None = None  # set when the layer runs as floats
+
+    def create_weights(
+        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
+    ) -> None:
+        # the parameter only carries the logical shape (loaders, LoRA and the loading checks read it)
+        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
+        release(weight)
+        layer.weight = weight
+
+    def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
+        if rows.shape[1] != layer.weight.shape[1] or offset + rows.shape[0] > layer.weight.shape[0]:
+            raise ValueError(
+                f"checkpoint shard has shape {tuple(rows.shape)} at row {offset}, parameter wants "
+                f"{tuple(layer.weight.shape)}"
+            )
+        if isinstance(rows, GGUFTensor):  # a copy of just the shard: the full tensor is dropped after loading
+            kept: torch.Tensor | GGUFTensor = GGUFTensor(rows.raw.contiguous().clone(), rows.qtype, rows.in_features)
+        else:
+            kept = rows.detach().to(torch.float32).clone()
+        self.parts = [p for p in self.parts if p[0] != offset] + [(offset, kept)]
+
+    def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
+        if self.segments:
+            return True
+        if self.dense is not None:
+            return self.dense.process_weights_after_loading(layer, panels)
+        parts = sorted(self.parts, key=lambda p: p[0])
+        covered = 0
+        for offset, rows in parts:
+            if offset != covered:
+                raise ValueError(f"GGUF rows [{covered}, {offset}) of a layer were never loaded")
+            covered += rows.shape[0]
+        if covered != layer.weight.shape[0]:
+            raise ValueError(f"GGUF layer loaded {covered} of its {layer.weight.shape[0]} rows")
+        self.parts = []
+        blocks = [rows for _, rows in parts if isinstance(rows, GGUFTensor)]
+        if len(blocks) == len(parts) and kernels_available():
+            runs: list[tuple[int, list[torch.Tensor]]] = []
+            for b in blocks:
+                if runs and runs[-1][0] == b.qtype:
+                    runs[-1][1].append(b.raw)
+                else:
+                    runs.append((b.qtype, [b.raw]))
+            self.segments = [(qtype, torch.cat(raws) if len(raws) > 1 else raws[0]) for qtype, raws in runs]
+            return True
+        # some rows came as floats: the whole layer runs dequantized
+        dense = torch.cat([r.dequantize() if isinstance(r, GGUFTensor) else r for _, r in parts])
+        layer.weight.data = dense.to(layer.weight.dtype)
+        self.dense = UnquantizedLinearMethod()
+        return self.dense.process_weights_after_loading(layer, panels)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense.apply(layer, x, bias)
+        if not self.segments:
+            raise RuntimeError("a GGUF linear layer ran before its weights were loaded and processed")
+        outs = [gguf_linear(x, raw, qtype) for qtype, raw in self.segments]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if bias is None else y.add_(bias)
+
+
+class GGUFConfig(QuantizationConfig):
+    """A GGUF checkpoint on the CPU road: linear layers (and the embedding / LM head) keep kernel-type blocks."""
+
+    name = "gguf"
+
+    def linear_method(self) -> QuantizeMethodBase:
+        return GGUFLinearMethod()
+
+    def keeps_gguf_blocks(self) -> bool:
+        return True

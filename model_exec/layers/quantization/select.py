@@ -1,0 +1,53 @@
+"""Which quantization a model runs, decided once from the setting, the checkpoint and where it runs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from model_exec.layers.quantization.base import QuantizationConfig
+from model_exec.layers.quantization.gguf import GGUFConfig, kernels_available
+from model_exec.layers.quantization.int8 import Int8Config
+
+logger = logging.getLogger(__name__)
+
+
+def select_quantization(
+    setting: str | None, source_kind: str, device: torch.device, dtype: torch.dtype
+) -> QuantizationConfig | None:
+    """The config the model's layers are built under (None: float weights).
+
+    `setting` is EngineConfig.quantization: None decides from the checkpoint (a GGUF keeps its blocks on the
+    CPU in float32 when the block kernels are built, else loads dequantized, with a log line saying why);
+    "none" loads floats; "gguf" insists, and is refused by name where it cannot run (never a silent float
+    fallback); "int8" quantizes a float checkpoint's linear layers at load (the same refusal)."""
+    if setting == "none":
+        return None
+    if setting not in (None, "gguf", "int8"):
+        raise ValueError(f"quantization {setting!r} is not supported; supported: gguf, int8, none")
+    gguf_runs = device.type == "cpu" and dtype == torch.float32 and kernels_available()
+    if setting == "int8":
+        if not gguf_runs:
+            where = f"{device.type}, {dtype}"
+            raise ValueError(
+                f"quantization='int8' runs on the CPU in float32 with the AVX2 kernel build; here: {where}"
+            )
+        return Int8Config()
+    if setting == "gguf":
+        if source_kind != "gguf":
+            raise ValueError("quantization='gguf' needs a GGUF checkpoint")
+        if not gguf_runs:
+            where = f"{device.type}, {dtype}"
+            raise ValueError(
+                f"quantization='gguf' runs on the CPU in float32 with the AVX2 kernel build; here: {where}"
+            )
+        return GGUFConfig()
+    if source_kind != "gguf":
+        return None
+    if gguf_runs:
+        return GGUFConfig()
+    logger.info(
+        "GGUF weights load dequantized to %s: block kernels run on the CPU in float32 with the AVX2 build", dtype
+    )
+    return None

@@ -1,0 +1,387 @@
+// y = x W^T with W kept in its GGUF block layout (Q8_0, Q4_0, Q4_1): the CPU path of a linear layer whose
+// weights came quantized from a GGUF file (model_exec/layers/quantization/gguf.py).
+//
+// Layout: W [N, K] is GGUF's own, row by row: each row is K / 32 blocks of 32 weights,
+//   Q8_0: fp16 d, 32 x int8 q                 w = d * q              (34 bytes)
+//   Q4_0: fp16 d, 16 bytes of nibbles         w = d * (q - 8)        (18 bytes)
+//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m          (20 bytes)
+// with weight j < 16 in the low nibble of byte j and weight j + 16 in its high nibble.
+//
+// The decision (measured, docs/benchmarks.md): x is quantized per 32-block to int8 with a float scale, as
+// llama.cpp does (its Q8_0/Q8_1 activations), and the dot products run on integers: 32 weights cost one
+// 16-byte load, two nibble masks, one maddubs + one madd, one int->float convert and one FMA per row of x.
+// Dequantizing W to floats in registers costs 4 converts and 4 FMAs per 32 weights instead, and a decode
+// step on this machine is bound by those instructions, not by the 5-6x fewer bytes read. Per block:
+//   sum_j w_j x_j ~= d * dx * sum_j q_j qx_j  (+ m * sum_j x_j for Q4_1, - 8 d dx sum_j qx_j for Q4_0)
+// where dx = max|x_block| / 127 and qx = round(x / dx); the sum of x for Q4_1's offset uses the float x,
+// so the only error beyond the fp32 reference's rounding is x's int8 rounding (relative ~0.2% per element,
+// uncorrelated; tests/ops/test_gguf_gemm.py bounds it against the dequantized product).
+//
+// Work split: threads take ranges of output features (each reads only its share of W, in file order); inside,
+// a chunk of kChunk output rows (a few KB of W, kept in L1/L2) is run against every tile of kRows rows of x.
+//
+// x [M, K] float32 with a contiguous last dim, K a multiple of 32; w [N, K / 32 * block bytes] uint8 contiguous.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// GGML's type ids (ggml.h, the `gguf` package's GGMLQuantizationType)
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kRows = 4;    // rows of x per tile: each unpacked weight block is reused this many times
+constexpr int64_t kChunk = 16;  // output rows per chunk: 16 x 960 B = 15 KB of W at SmolLM2's widest row
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ8_0: return 34;
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", qtype, " has no kernel (Q8_0, Q4_0, Q4_1 do)");
+  }
+  return 0;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// x's rows quantized per block: qx int8 [M, K], dx [M, nb] (scale), sx [M, nb] (sum of the float x: Q4_1's
+// offset term), iq [M, nb] (8 * dx * sum of qx: Q4_0's offset term).
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, c8;
+  // the AVX-512 VNNI tiles' copy (`interleave_pairs`): empty when they do not run
+  std::vector<int8_t> qv;
+  std::vector<float> dx8, e8;
+};
+
+void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s, float* c8) {
+  for (int64_t b = 0; b < k_len / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float dx = amax / 127.f;
+    const float inv = dx > 0.f ? 1.f / dx : 0.f;
+    int32_t isum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      // nearbyint: round half to even under the default rounding mode, as _mm256_cvtps_epi32 and torch.round
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+      q[b * kBlock + j] = static_cast<int8_t>(v);
+      isum += v;
+    }
+    d[b] = dx;
+    s[b] = sum;
+    c8[b] = 8.f * dx * static_cast<float>(isum);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 weights of a block as bytes in x's order: Q4 nibbles unpacked (unsigned 0..15), Q8 as stored (signed).
+template <int64_t Q>
+inline __m256i unpack(const uint8_t* blk) {
+  if constexpr (Q == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == kQ4_1 ? 4 : 2)));
+    const __m128i lo_mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, lo_mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), lo_mask);
+    return _mm256_set_m128i(hi, lo);
+  }
+}
+
+// 8 int32 partial sums of w . qx over one block
+template <int64_t Q>
+inline __m256i dot_block(__m256i w, const int8_t* qx) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+  __m256i p16;
+  if constexpr (Q == kQ8_0) {  // maddubs wants unsigned x signed: |w| times x with w's sign
+    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+  } else {
+    p16 = _mm256_maddubs_epi16(w, xv);  // nibbles 0..15 x int8: at most 2 * 15 * 127 per int16, no saturation
+  }
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+template <int64_t Q, int R>
+void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+          float* out, int64_t n_out) {
+  const int64_t nb = k_len / kBlock;
+  const int64_t bb = block_bytes(Q);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[R];
+    float extra[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      extra[r] = 0.f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wr + b * bb;
+      const float dw = half_at(blk);
+      const __m256i wv = unpack<Q>(blk);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = m0 + r;
+        const __m256 p = _mm256_cvtepi32_ps(dot_block<Q>(wv, qx.q.data() + row * k_len + b * kBlock));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * qx.d[row * nb + b]), acc[r]);
+        if constexpr (Q == kQ4_1) extra[r] += half_at(blk + 2) * qx.s[row * nb + b];
+        if constexpr (Q == kQ4_0) extra[r] -= dw * qx.c8[row * nb + b];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(acc[r]) + extra[r];
+  }
+}
+
+// ---- AVX-512 VNNI: two blocks per instruction -------------------------------------------------------------
+// One vpdpbusd multiplies 64 weight bytes with 64 activation bytes and sums them 4 by 4: two blocks at once.
+// Both operands are laid out per pair of blocks (b0, b1) as [b0 0..15 | b1 0..15 | b0 16..31 | b1 16..31]:
+// that is how two Q4 blocks unpack with one mask/shift over both (low nibbles, then high), so the 16 int32
+// sums fold into 8 (lanes 0-3: b0, 4-7: b1) with one add, and each lane takes its block's scale. Q8_0's
+// signed weights go in as |w| with x carrying w's sign (vpdpbusd multiplies unsigned by signed bytes).
+#define RAYTP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+bool use_vnni() {
+  static const bool yes =
+      raytp::use_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// qx rows re-laid per block pair (the odd last block stays as it is); dx8 / e8: per pair, 4 lanes of each block's
+// scale / offset term (Q4_1: sum of x, Q4_0: 8 dx sum of qx) divided by 4, as the folded lanes want them.
+void interleave_pairs(QuantX& qx, int64_t m, int64_t k_len, int64_t qtype) {
+  const int64_t nb = k_len / kBlock, np = nb / 2;
+  const int8_t* src = qx.q.data() + m * k_len;
+  int8_t* dst = qx.qv.data() + m * k_len;
+  const float* e = qtype == kQ4_1 ? qx.s.data() + m * nb : qx.c8.data() + m * nb;
+  for (int64_t p = 0; p < np; ++p) {
+    const int8_t* b0 = src + 2 * p * kBlock;
+    std::memcpy(dst + p * 64, b0, 16);
+    std::memcpy(dst + p * 64 + 16, b0 + kBlock, 16);
+    std::memcpy(dst + p * 64 + 32, b0 + 16, 16);
+    std::memcpy(dst + p * 64 + 48, b0 + kBlock + 16, 16);
+    float* d8 = qx.dx8.data() + (m * np + p) * 8;
+    float* e8 = qx.e8.data() + (m * np + p) * 8;
+    for (int i = 0; i < 4; ++i) {
+      d8[i] = qx.d[m * nb + 2 * p];
+      d8[4 + i] = qx.d[m * nb + 2 * p + 1];
+      e8[i] = e[2 * p] / 4.f;
+      e8[4 + i] = e[2 * p + 1] / 4.f;
+    }
+  }
+  if (nb % 2) std::memcpy(dst + (nb - 1) * kBlock, src + (nb - 1) * kBlock, kBlock);
+}
+
+RAYTP_VNNI inline float half_f16c(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+template <int64_t Q>
+RAYTP_VNNI inline __m512i unpack_pair(const uint8_t* b0, const uint8_t* b1) {
+  __m256i lo, hi;
+  if constexpr (Q == kQ8_0) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2));
+    lo = _mm256_permute2x128_si256(w0, w1, 0x20);
+    hi = _mm256_permute2x128_si256(w0, w1, 0x31);
+  } else {
+    constexpr int off = Q == kQ4_1 ? 4 : 2;
+    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + off)),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + off)));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    lo = _mm256_and_si256(packed, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+  }
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+template <int64_t Q, int R>
+RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t row_bytes,
+                          int64_t n0, int64_t n1, float* out, int64_t n_out) {
+  const int64_t nb = k_len / kBlock, np = nb / 2;
+  const int64_t bb = block_bytes(Q);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[R], accm[R];
+    float extra[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[r] = accm[r] = _mm256_setzero_ps();
+      extra[r] = 0.f;
+    }
+    for (int64_t p = 0; p < np; ++p) {
+      const uint8_t* b0 = wr + 2 * p * bb;
+      const uint8_t* b1 = b0 + bb;
+      const float d0 = half_f16c(b0), d1 = half_f16c(b1);
+      const __m256 dw8 = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0));
+      __m256 m8 = _mm256_setzero_ps();
+      if constexpr (Q == kQ4_1) m8 = _mm256_set_m128(_mm_set1_ps(half_f16c(b1 + 2)), _mm_set1_ps(half_f16c(b0 + 2)));
+      __m512i wv = unpack_pair<Q>(b0, b1);
+      __mmask64 neg = 0;
+      if constexpr (Q == kQ8_0) {
+        neg = _mm512_movepi8_mask(wv);
+        wv = _mm512_abs_epi8(wv);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = m0 + r;
+        __m512i xv = _mm512_loadu_si512(qx.qv.data() + row * k_len + p * 64);
+        if constexpr (Q == kQ8_0) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        const __m256 scale = _mm256_mul_ps(dw8, _mm256_loadu_ps(qx.dx8.data() + (row * np + p) * 8));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), scale, acc[r]);
+        if constexpr (Q == kQ4_1) accm[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(qx.e8.data() + (row * np + p) * 8), accm[r]);
+        if constexpr (Q == kQ4_0) accm[r] = _mm256_fnmadd_ps(dw8, _mm256_loadu_ps(qx.e8.data() + (row * np + p) * 8), accm[r]);
+      }
+    }
+    if (nb % 2) {  // the odd last block, as the AVX2 tiles take it (it sits unpaired in qv)
+      const int64_t b = nb - 1;
+      const uint8_t* blk = wr + b * bb;
+      const float dw = half_f16c(blk);
+      const __m256i wv = unpack<Q>(blk);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = m0 + r;
+        const __m256 p = _mm256_cvtepi32_ps(dot_block<Q>(wv, qx.qv.data() + row * k_len + b * kBlock));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * qx.d[row * nb + b]), acc[r]);
+        if constexpr (Q == kQ4_1) extra[r] += half_f16c(blk + 2) * qx.s[row * nb + b];
+        if constexpr (Q == kQ4_0) extra[r] -= dw * qx.c8[row * nb + b];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(_mm256_add_ps(acc[r], accm[r])) + extra[r];
+  }
+}
+#else
+// The same sums in plain C++ (builds without AVX2).
+template <int64_t Q, int R>
+void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+          float* out, int64_t n_out) {
+  const int64_t nb = k_len / kBlock;
+  const int64_t bb = block_bytes(Q);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + n * row_bytes + b * bb;
+        const int8_t* xq = qx.q.data() + row * k_len + b * kBlock;
+        int32_t dot = 0;
+        for (int j = 0; j < kBlock; ++j) {
+          int32_t wq;
+          if constexpr (Q == kQ8_0) wq = static_cast<int8_t>(blk[2 + j]);
+          else wq = (blk[(Q == kQ4_1 ? 4 : 2) + (j % 16)] >> (j < 16 ? 0 : 4)) & 0x0f;
+          dot += wq * xq[j];
+        }
+        const float dw = half_at(blk);
+        total += dw * qx.d[row * nb + b] * static_cast<float>(dot);
+        if constexpr (Q == kQ4_1) total += half_at(blk + 2) * qx.s[row * nb + b];
+        if constexpr (Q == kQ4_0) total -= dw * qx.c8[row * nb + b];
+      }
+      out[row * n_out + n] = total;
+    }
+  }
+}
+#endif
+
+template <int64_t Q>
+void run(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* w, int64_t row_bytes, int64_t n_out, float* out) {
+  at::parallel_for(0, n_out, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
+      const int64_t n1 = std::min(end, n0 + kChunk);
+      int64_t m = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (!qx.qv.empty()) {
+        for (; m + kRows <= rows; m += kRows) tile_vnni<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+        for (; m < rows; ++m) tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+        continue;
+      }
+#endif
+      for (; m + kRows <= rows; m += kRows) tile<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+      for (; m < rows; ++m) tile<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+    }
+  });
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "gguf_linear: x [M, K] and w [N, row bytes] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "gguf_linear: float32 x, uint8 w");
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "gguf_linear: x needs a contiguous last dim, w must be contiguous");
+  const int64_t rows = x.size(0), k_len = x.size(1), n_out = w.size(0);
+  TORCH_CHECK(k_len % kBlock == 0, "gguf_linear: K = ", k_len, " is not a multiple of 32");
+  const int64_t row_bytes = k_len / kBlock * block_bytes(qtype);
+  TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: w rows hold ", w.size(1), " bytes, K = ", k_len, " needs ", row_bytes);
+  const int64_t nb = k_len / kBlock;
+  QuantX qx{std::vector<int8_t>(rows * k_len), std::vector<float>(rows * nb), std::vector<float>(rows * nb),
+            std::vector<float>(rows * nb)};
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  bool vnni = false;
+#if defined(__AVX2__) && defined(__FMA__)
+  vnni = use_vnni();
+#endif
+  if (vnni) {
+    qx.qv.resize(rows * k_len);
+    qx.dx8.resize(rows * (nb / 2) * 8);
+    qx.e8.resize(rows * (nb / 2) * 8);
+  }
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / k_len), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, qx.d.data() + m * nb, qx.s.data() + m * nb,
+                   qx.c8.data() + m * nb);
+#if defined(__AVX2__) && defined(__FMA__)
+      if (vnni) interleave_pairs(qx, m, k_len, qtype);
+#endif
+    }
+  });
+  at::Tensor out = at::empty({rows, n_out}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (qtype) {
+    case kQ8_0: run<kQ8_0>(qx, rows, k_len, wp, row_bytes, n_out, op); break;
+    case kQ4_0: run<kQ4_0>(qx, rows, k_len, wp, row_bytes, n_out, op); break;
+    case kQ4_1: run<kQ4_1>(qx, rows, k_len, wp, row_bytes, n_out, op); break;
+    default: block_bytes(qtype);  // raises
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) { m.def("gguf_linear(Tensor x, Tensor w, int qtype) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("gguf_linear", &gguf_linear); }

@@ -1,0 +1,100 @@
+"""The GGUF block kernel (ops/csrc/gguf_gemm.cpp) against the dequantized reference, per kernel type.
+
+Blocks come from the `gguf` package's own quantizer. Two references: an exact model of the kernel's
+arithmetic (x quantized per 32-block to int8, integer dots, in float64) that the kernel must match to float32
+rounding, and the plain product with the dequantized weights (the float path a GGUF used to load as), which
+it must match to the int8 activations' rounding. Odd shapes (N not a multiple of anything, one block of K),
+decode (1-4 rows) and prefill (many rows, the 4-row tiles and their remainder), tensor-parallel slices
+(row-parallel cuts along K at block boundaries, column-parallel along N).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import quantize  # noqa: E402
+
+from model_exec.layers.quantization.gguf import gguf_linear, kernels_available  # noqa: E402
+from model_exec.layers.quantization.gguf_tensor import GGUFTensor, dequantize_rows  # noqa: E402
+from tests.helpers.isa import needs_avx512, rerun_on_avx2  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="the C++ kernels' AVX2 build is not available")
+
+TYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+
+
+def _blocks(n: int, k: int, qtype: object, seed: int) -> GGUFTensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05 + 0.01 * torch.randn(n, 1, generator=g)  # per-row offsets: Q4_1's min
+    return GGUFTensor(torch.from_numpy(quantize(w.numpy(), qtype)), int(qtype), k)  # type: ignore[arg-type]
+
+
+def _emulated(x: torch.Tensor, w: GGUFTensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x per 32-block scaled to int8 (round half to even), w's blocks."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    dx = xb.abs().amax(-1, keepdim=True) / 127.0
+    qx = torch.where(dx > 0, torch.round(xb / torch.where(dx > 0, dx, 1.0)), 0.0)
+    x_hat = (qx * dx).double().view(m, k)
+    if w.qtype == int(gguf.GGMLQuantizationType.Q4_1):  # the offset term uses the float x, not its int8 image
+        rows = w.raw.shape[0]
+        mins = w.raw.view(rows, k // 32, 20)[..., 2:4].contiguous().view(torch.float16).double()  # [N, nb, 1]
+        w_scaled = dequantize_rows(w.raw, w.qtype, k).double().view(rows, k // 32, 32) - mins
+        return (x_hat @ w_scaled.view(rows, k).T + xb.sum(-1).double() @ mins.squeeze(-1).T).float()
+    return (x_hat @ w.dequantize().double().T).float()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 131])
+@pytest.mark.parametrize(("n", "k"), [(37, 32), (77, 576), (16, 1536)])
+def test_gguf_linear_matches_the_dequantized_reference(qtype: object, rows: int, n: int, k: int) -> None:
+    w = _blocks(n, k, qtype, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = gguf_linear(x, w.raw, w.qtype)
+    torch.testing.assert_close(y, _emulated(x, w), rtol=1e-4, atol=1e-4 * float(y.abs().max()))
+    reference = x @ w.dequantize().T
+    assert float((y - reference).abs().max()) <= 0.03 * float(reference.abs().max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tensor_parallel_slices_are_the_full_products_parts(qtype: object) -> None:
+    """Row-parallel: the two ranks' K halves (cut at a block boundary) sum to the full product, each its
+    own blocks; column-parallel: N halves side by side."""
+    w = _blocks(48, 192, qtype, seed=3)
+    x = torch.randn(5, 192, generator=torch.Generator().manual_seed(5))
+    halves = [w.narrow(1, 96 * r, 96) for r in range(2)]
+    assert all(isinstance(h, GGUFTensor) for h in halves)
+    parts = [
+        gguf_linear(x[:, 96 * r : 96 * (r + 1)].contiguous(), h.raw.contiguous(), h.qtype) for r, h in enumerate(halves)
+    ]  # type: ignore[union-attr]
+    torch.testing.assert_close(parts[0] + parts[1], _emulated(x, w), rtol=1e-4, atol=1e-4)
+    cols = torch.cat([gguf_linear(x, part.raw.contiguous(), part.qtype) for part in w.split([24, 24])], dim=-1)
+    torch.testing.assert_close(cols, gguf_linear(x, w.raw, w.qtype), rtol=0, atol=0)
+    # a cut between blocks cannot keep blocks: the exact floats come instead
+    inside = w.narrow(1, 16, 64)
+    assert isinstance(inside, torch.Tensor)
+    torch.testing.assert_close(inside, w.dequantize()[:, 16:80], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_is_the_gguf_packages_dequantization(qtype: object) -> None:
+    w = _blocks(9, 96, qtype, seed=11)
+    torch.testing.assert_close(dequantize_rows(w.raw, w.qtype, 96), w.dequantize(), rtol=0, atol=0)
+
+
+def test_bad_inputs_are_refused() -> None:
+    w = _blocks(8, 64, TYPES[0], seed=0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 40), w.raw, w.qtype)
+    with pytest.raises(RuntimeError, match="bytes"):
+        torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 96), w.raw, w.qtype)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 64), w.raw, 12)
+
+
+@needs_avx512
+def test_avx2_code_passes_too() -> None:
+    """The AVX-512 VNNI tiles run above where the CPU has them; this reruns the module on the AVX2 tiles."""
+    rerun_on_avx2(__file__, "test_avx2_code_passes_too")
