@@ -133,8 +133,6 @@ class _Embeddings(nn.Module):
 class BertModel(CheckpointLoader):
     """An encoder's final hidden states, one per token (the pooler makes the embedding)."""
 
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["query", "key", "value"]}
-    packed_shard_ids: ClassVar[dict[str, tuple[ShardId, ...]]] = {"qkv_proj": ("q", "k", "v")}
     # An embedding model's checkpoint may carry BERT's pooler (dense + tanh); only classifiers use it.
     skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "lm_head.", "cls.")
     # XLM-R's positions index the table from padding_idx + 1 (HF: create_position_ids_from_input_ids)
@@ -145,6 +143,8 @@ class BertModel(CheckpointLoader):
         config.check_tp(tp.world_size)
         del attn_backend  # see the module docstring: encoder attention is not paged
         self.config = config
+        self.packed_modules_mapping = {"qkv_proj": ["query", "key", "value"]}
+        self.packed_shard_ids = {"qkv_proj": ("q", "k", "v")}
         eps = float(config.hf.get("layer_norm_eps", 1e-12))
         self.embeddings = _Embeddings(config, tp, eps)
         self.encoder = _Encoder(config, tp, eps)
