@@ -42,7 +42,7 @@ def test_batch_bodies_equal_the_http_servers(tmp_path: Path) -> None:
             ("detokenize", "/detokenize", {"tokens": [1, 2, 3]}),
             ("detokenize-bad", "/detokenize", {"tokens": [1 << 30]}),
             # a generation model refuses pooling requests the same way on both roads (tests/serving/
-            # test_pooling_live.py serves them with pooling models)
+            # test_pooling_routes.py runs them on pooling models)
             ("embed-on-chat", "/v1/embeddings", {"input": ["hi", "there"]}),
             ("score-on-chat", "/v1/score", {"text_1": "a", "text_2": ["b", "c"]}),
             ("rerank-on-chat", "/v1/rerank", {"query": "a", "documents": ["b"]}),

@@ -1,6 +1,6 @@
 """The pooling routes' handlers over a real in-process pooling engine (no Ray, no HTTP): the response
 bodies (`/v1/embeddings` float and base64, `/v1/score`, `/v1/rerank`), parity with sentence-transformers,
-and the refusals. tests/serving/test_pooling_live.py runs the same over a live multi-model server."""
+and the refusals."""
 
 from __future__ import annotations
 
