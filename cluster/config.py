@@ -24,6 +24,7 @@ _DTYPES = ("auto", *DTYPE_NAMES)
 QUANTIZATIONS = ("gguf", "int8", "none")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 
 
 def default_kv_cache_bytes() -> int:
@@ -105,6 +106,17 @@ class EngineConfig:
         "processing lags one step, outputs are unchanged (cluster/async_step.py)",
     )
     disable_log_stats: bool = _opt(False, "record no engine metrics (vLLM's flag; Ray Serve's own series remain)")
+    runner: Literal["auto", "generate", "pooling"] = _opt(
+        "auto",
+        "generate (text) or pooling (embeddings, scores: one forward per request, no decode); auto: pooling for "
+        "encoder and cross-encoder models, generate for the rest",
+        RUNNERS,
+    )
+    pooler_config: dict[str, Any] | None = _opt(
+        None,
+        'runner pooling: override the pooling the model\'s files say, as JSON (vLLM\'s names: '
+        '{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true})',
+    )
 
     def __post_init__(self) -> None:
         check_generation_config_setting(self.generation_config)
@@ -141,6 +153,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}.")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}.")
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError(f"pooler_config must be a dict (JSON object), got {type(self.pooler_config).__name__}.")
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")
 
@@ -161,6 +177,7 @@ class ResolvedEngineConfig(EngineConfig):
     max_model_len: int = field()
     max_num_batched_tokens: int = field()
     block_size: int = field()
+    runner: Literal["generate", "pooling"] = field()  # decided from the model when `auto`
     # What the ranks and the scheduler run with, taken from the fields above once, passed whole.
     shard: ShardConfig = field()
     scheduler: SchedulerConfig = field()

@@ -59,6 +59,7 @@ from cluster.engine_telemetry import EngineTelemetry
 from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
 from request.lora import LoRAError, LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.outputs import SchedulerOutput
 
@@ -109,7 +110,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream the request's deltas; the last has finished=True. A bad request raises RequestError here
@@ -141,7 +142,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None,
     ) -> asyncio.Queue[RequestDelta]:
         if self._closed:
@@ -152,7 +153,7 @@ class EngineLoop:
             request_id, {"prompt_token_ids": prompt_token_ids}, params, lora_request=lora_request
         )
         if self._telemetry is not None:
-            self._telemetry.on_add(request_id, params, group.arrival_time)
+            self._telemetry.on_add(request_id, group.sampling_params, group.arrival_time)  # pooling: max_tokens=1
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         if self._loop_task is None or self._loop_task.done():
@@ -331,6 +332,7 @@ class EngineLoop:
             vocab_size=mc.vocab_size,
             eos_token_ids=list(mc.eos_token_ids),
             generation_defaults=dict(self.engine.generation_defaults),
+            pooling_task=self.engine.pooling_task,
             block_size=cfg.block_size,
             num_device_blocks=self.engine.block_manager.num_device_blocks,
             tensor_parallel_size=cfg.tensor_parallel_size,

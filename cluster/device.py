@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal
 
 from cluster.config import EngineConfig, ResolvedEngineConfig
+from cluster.pooling import pooling_settings, resolve_runner
 from model_exec.config import ModelConfig
 from model_exec.shard_config import ShardConfig
 from ops.attention import package_error
@@ -118,9 +119,17 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
                 f"context limit ({max_model_len}: max_position_embeddings, times the factor of dynamic rope)."
             )
         max_model_len = config.max_model_len
-    budget = config.max_num_batched_tokens
+    runner = resolve_runner(config, model_config)
+    # a pooling engine runs each prompt whole in one step (cluster/pooling.py): its lengths, its budget, and
+    # neither chunked prefill nor prefix caching
+    pooling = pooling_settings(config, model_config, max_model_len) if runner == "pooling" else {}
+    if pooling and config.async_scheduling:
+        raise ValueError("async_scheduling overlaps decode steps; runner='pooling' has none: leave it off.")
+    max_model_len = pooling.get("max_model_len", max_model_len)
+    chunked = pooling.get("enable_chunked_prefill", config.enable_chunked_prefill)
+    budget = pooling.get("max_num_batched_tokens", config.max_num_batched_tokens)
     if budget is None:
-        budget = _DEFAULT_CHUNKED_BUDGET if config.enable_chunked_prefill else max_model_len
+        budget = _DEFAULT_CHUNKED_BUDGET if chunked else max_model_len
     device = resolve_device(config)
     dtype = resolve_dtype(config.dtype, device, model_config.dtype)
     block_size = config.block_size
@@ -142,17 +151,21 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
         enable_lora=config.enable_lora,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
+        runner=runner,
+        pooler_config=config.pooler_config,
     )
     scheduler = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=budget,
-        enable_chunked_prefill=config.enable_chunked_prefill,
+        enable_chunked_prefill=chunked,
         preemption_mode=config.preemption_mode,
         max_loras=config.max_loras,
     )
     given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
     resolved = {
+        **pooling,
+        "runner": runner,
         "device": device,
         "dtype": dtype,
         "distributed_executor_backend": resolve_executor_backend(config),

@@ -26,6 +26,11 @@ from cluster.executor import Executor
 from cluster.lora_registry import LoadedAdapters
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
+from cluster.pooling import (
+    check_pooling_request,
+    pooling_num_blocks,
+    served_pooling_task,
+)
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig
@@ -34,6 +39,7 @@ from model_exec.source import ModelSource, load_tokenizer, read_model_config, re
 from request.check import RequestLimits, check_request
 from request.errors import RequestError
 from request.lora import NO_LORA, LoRAError, LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
@@ -94,6 +100,14 @@ class LLMEngine:
         self.executor = executor_factory(self.config, self.model_config)
         sizes = self.executor.collective_rpc("determine_num_blocks")  # every rank's; the smallest fits them all
         num_device_blocks, num_cpu_blocks = min(d for d, _ in sizes), min(c for _, c in sizes)
+        # pooling_task: what a pooling engine serves ("embed" | "score"); None when it generates
+        self.pooling_task: str | None = None
+        if self.config.runner == "pooling":
+            self.pooling_task = served_pooling_task(self.model_config.architecture)
+            num_device_blocks = pooling_num_blocks(
+                num_device_blocks, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.block_size
+            )
+            num_cpu_blocks = 0  # a pooling request lives one step: never preempted, never swapped
         self.executor.collective_rpc("init_cache", num_device_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(
             block_size=self.config.block_size,
@@ -150,15 +164,18 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> SequenceGroup:
-        """Check and queue a request. Raises RequestError (naming the field) on bad input, EngineDeadError
+        """Check and queue a request: SamplingParams on a generating engine, PoolingParams (an embedding, a
+        score) on a pooling one. Raises RequestError (naming the field) on bad input, EngineDeadError
         once a worker failed. An adapter not loaded yet is loaded here first, blocking on the workers, as
         vLLM's LLM.generate does (the serving loop loads it on its step thread before calling this)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if isinstance(params, PoolingParams) or self.pooling_task is not None:
+            return self._add_pooling_request(request_id, prompt, params, arrival_time, lora_request)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self._prompt_tokens(prompt)
@@ -174,6 +191,37 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         group = self.scheduler.add_request(
             request_id, text, token_ids, params, seed, arrival_time, constraint, lora_id, lora_generation
+        )
+        self.output_processor.add_request(group)
+        return group
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None,
+        lora_request: LoRARequest | None,
+    ) -> SequenceGroup:
+        """One forward over the prompt, pooled (cluster/pooling.py); the refusals name why."""
+        if self.pooling_task is None:
+            raise RequestError(
+                f"model {self.model_name!r} runs generation: it does not serve embeddings or scores (start it "
+                "with runner='pooling' to pool its hidden states).",
+                "model",
+            )
+        if not isinstance(params, PoolingParams):
+            raise RequestError(
+                f"model {self.model_name!r} is served for {'embeddings' if self.pooling_task == 'embed' else 'scores'}"
+                " (runner='pooling'): it does not generate text.",
+                "model",
+            )
+        if lora_request is not None:
+            raise RequestError("LoRA adapters are not supported by the pooling runner.", "lora_request")
+        text, token_ids = self._prompt_tokens(prompt)
+        check_pooling_request(token_ids, params, self.limits, self.pooling_task, self.model_config.hidden_size)
+        group = self.scheduler.add_request(
+            request_id, text, token_ids, SamplingParams(max_tokens=1), 0, arrival_time, pooling_params=params
         )
         self.output_processor.add_request(group)
         return group

@@ -20,6 +20,7 @@ class ModelInfo:
     vocab_size: int  # token ids a request may name are below it
     eos_token_ids: list[int]
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields unset requests take
+    pooling_task: str | None = None  # "embed" | "score" for a pooling engine (runner pooling); None: it generates
     block_size: int = 16  # tokens per KV block
     num_device_blocks: int = 0  # the device KV pool, in blocks (the minimum over ranks)
     tensor_parallel_size: int = 1

@@ -159,6 +159,7 @@ class OutputProcessor:
                 finished_time=group.finished_time if group.finished_time is not None else time.monotonic(),
             )
             out.error = group.error
+            out.pooled = group.pooled
             del self._requests[group.request_id]
         return out
 

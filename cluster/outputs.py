@@ -10,6 +10,7 @@ non-streaming HTTP, batch jobs) folds them with `RequestOutputBuilder`, the one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -70,6 +71,9 @@ class RequestDelta:
     # In the last delta, when the server could not finish the request (engine failure, shutdown, KV capacity).
     # Requests a user got wrong never get here: they are refused with a RequestError when added.
     error: str | None = None
+    # A pooling request's result, in its last delta (float32 numpy array: an embedding, or a cross-encoder's
+    # scores per label); None for generation and for a pooling request that failed (`error`)
+    pooled: Any = None
 
 
 # ----------------------------------------------------------------------------- the whole result

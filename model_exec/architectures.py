@@ -65,6 +65,16 @@ class Architecture:
     # n-th layer attends in full, the others slide, as HF's Gemma 2/3 configs build `layer_types`.
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     decoder: DecoderSpec = DecoderSpec()  # what the decoder class builds (other classes ignore it)
+    # what the architecture serves: "generate" (a decoder: it can also embed, runner="pooling", last-token
+    # pooling over its final hidden states) or "embed" / "score" (pooling only: encoders, cross-encoders)
+    task: str = "generate"
+    # pooling models: the pooling sentence-transformers would apply when the folder has no modules.json
+    default_pooling: str = "LAST"
+
+
+# Fields BERT-style encoders' config.json has no use for in ModelConfig's decoder terms (no RMSNorm, no
+# rope): their model file reads layer_norm_eps and type_vocab_size from `ModelConfig.hf` instead.
+_ENCODER_DEFAULTS: Mapping[str, Any] = {"rms_norm_eps": 1e-12, "hidden_act": "gelu", "tie_word_embeddings": False}
 
 
 # HF's Gemma2Config defaults (transformers 5.24)
@@ -181,5 +191,43 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         decoder=DecoderSpec(fused_checkpoint_modules=("qkv_proj", "gate_up_proj")),
     ),
 }
-# model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF)
-ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {a.model_type: name for name, a in ARCHITECTURES.items()}
+
+
+def _encoder(model_type: str, class_name: str, task: str, notes: str) -> Architecture:
+    return Architecture(model_type, "model_exec.models.bert", class_name, None, notes, _ENCODER_DEFAULTS,
+                        task=task, default_pooling="CLS")  # fmt: skip
+
+
+def _base_model(causal: str, class_name: str, notes: str) -> Architecture:
+    """A decoder saved as its base model (embedding checkpoints): the causal row's spec, no LM head."""
+    return replace(ARCHITECTURES[causal], module="model_exec.models.decoder_embedder", class_name=class_name,
+                   gguf_arch=None, notes=notes, task="embed")  # fmt: skip
+
+
+# Pooling models (runner="pooling"; model_exec/models/bert.py, model_exec/models/decoder_embedder.py)
+ARCHITECTURES = {
+    **ARCHITECTURES,
+    "BertModel": _encoder(
+        "bert", "BertModel", "embed", "embeddings; bidirectional attention; pooling from sentence-transformers' files"
+    ),
+    "XLMRobertaModel": _encoder(
+        "xlm-roberta", "XLMRobertaModel", "embed",
+        "embeddings (bge-m3, e5); bidirectional attention; positions from padding_idx + 1",
+    ),
+    "BertForSequenceClassification": _encoder(
+        "bert", "BertForSequenceClassification", "score",
+        "cross-encoder scores (/v1/score, /v1/rerank): pooler + classifier",
+    ),
+    "XLMRobertaForSequenceClassification": _encoder(
+        "xlm-roberta", "XLMRobertaForSequenceClassification", "score",
+        "cross-encoder scores (bge-reranker): classification head on the first token",
+    ),
+    "LlamaModel": _base_model("LlamaForCausalLM", "LlamaModel", "embeddings, last token"),
+    "Qwen2Model": _base_model("Qwen2ForCausalLM", "Qwen2Model", "embeddings (gte-Qwen2), last token"),
+    "Qwen3Model": _base_model("Qwen3ForCausalLM", "Qwen3Model", "embeddings (Qwen3-Embedding), last token"),
+}  # fmt: skip
+# model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF);
+# generation architectures first: a GGUF `llama` is a LlamaForCausalLM, never a LlamaModel
+ARCHITECTURE_BY_MODEL_TYPE: Mapping[str, str] = {
+    a.model_type: name for name, a in reversed(list(ARCHITECTURES.items())) if a.task in ("generate", "embed")
+}

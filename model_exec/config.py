@@ -32,7 +32,8 @@ _ROPE_TYPE_ALIASES: Mapping[str, str] = {"su": "longrope"}
 _ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 _DTYPES = ("float32", "float16", "bfloat16")
 # activations model_exec.layers.activation implements (HF's names; its ACT_AND_MUL has one class each)
-HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+# gelu (erf): the encoders' feed-forward (model_exec/models/bert.py), which is not gated
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclass(frozen=True)

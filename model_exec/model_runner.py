@@ -31,8 +31,10 @@ from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
 from model_exec.lora.manager import LoRAManager
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
+from model_exec.pooler import Pooler
 from model_exec.sampler import Sampler, SamplingMetadata
 from ops.attention.base import AttentionMetadata
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
 
@@ -53,6 +55,7 @@ class _SeqState:
     seed: int
     sample_index: int
     lora_id: int  # the sequence's adapter (NewSeqData.lora_id); 0: the base model
+    pooling_params: PoolingParams | None = None  # a pooling request (NewSeqData.pooling_params)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)
@@ -99,8 +102,10 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...],
         lora: LoRAManager | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
+        self.pooler = pooler  # runner="pooling": every step pools its rows instead of sampling
         self.lora = lora  # the rank's adapters, with enable_lora only
         self.tp = tp
         self.block_size = block_size
@@ -136,6 +141,7 @@ class ModelRunner:
                 seed=new.seed,
                 sample_index=new.sample_index,
                 lora_id=new.lora_id,
+                pooling_params=new.pooling_params,
             )
             self.seqs[new.seq_id] = state
             rows.append(_Row(new.seq_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
@@ -249,6 +255,8 @@ class ModelRunner:
             raise ValueError("the step runs a LoRA adapter, but this engine was started without enable_lora")
         else:
             hidden = self._forward(host, kv_caches)
+        if self.pooler is not None:
+            return self._pool(rows, hidden, host.starts)
 
         # Which hidden rows need logits: the last token of every row that samples, then the prompt
         # positions whose logprobs were asked for. Same selection on every rank (gather is collective).
@@ -283,6 +291,19 @@ class ModelRunner:
                 logits[offset : offset + count], targets, r.state.params.prompt_logprobs or 0
             )
         return out
+
+    def _pool(self, rows: list[_Row], hidden: torch.Tensor, starts: list[int]) -> ModelRunnerOutput | None:
+        """A pooling step: every row is a whole prompt (no chunked prefill, no prefix cache, no decode)."""
+        assert self.pooler is not None
+        if self.tp.rank != 0:
+            return None
+        params: list[PoolingParams] = []
+        for r in rows:
+            if r.state.pooling_params is None or r.num_computed or r.num_scheduled != len(r.state.prompt_token_ids):
+                raise ValueError(f"sequence {r.seq_id}: a pooling step runs whole prompts of pooling requests only")
+            params.append(r.state.pooling_params)
+        vectors = self.pooler(hidden, starts, params)
+        return ModelRunnerOutput(pooled={r.seq_id: v for r, v in zip(rows, vectors, strict=True)})
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor, so: SchedulerOutput) -> list[SeqSample]:
         meta = SamplingMetadata(

@@ -26,6 +26,8 @@ from model_exec.model_runner import ModelRunner, profile_forward
 from model_exec.models import build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
+from model_exec.pooler import Pooler
+from model_exec.pooling_model import build_pooling_model
 from model_exec.shard_config import ShardConfig
 from model_exec.source import ModelSource
 from model_exec.weights import iter_weights
@@ -99,8 +101,14 @@ class ModelShard:
             attn_backend = get_attn_backend(config.attention_backend, self.device, dtype, block_size)
         quant = select_quantization(config.quantization, source.kind, self.device, dtype)
         self.quantization = "none" if quant is None else quant.name
+        pooler: Pooler | None = None
         with quantization_scope(quant):
-            model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
+            if config.runner == "pooling":
+                model, pooler = build_pooling_model(
+                    source, model_config, self.tp, attn_backend, self.device, dtype, config.pooler_config
+                )
+            else:
+                model = build_model(model_config, self.tp, attn_backend, self.device, dtype)
         weights = iter_weights(source, keep_gguf_blocks=quant is not None and quant.keeps_gguf_blocks())
         # GGUFTensors stand in for tensors through every loader (layers.quantization.gguf_tensor)
         model.load_weights(weights)  # type: ignore[arg-type]
@@ -109,7 +117,9 @@ class ModelShard:
         if config.enable_lora:
             assert isinstance(model, CheckpointLoader)  # every registered family is one
             self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank)
-        self.runner = ModelRunner(model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora)
+        self.runner = ModelRunner(
+            model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora, pooler
+        )
         self._mem_after_load = take_snapshot(torch.cuda, self.device) if self.device.type == "cuda" else None
         self.use_cuda_graphs = self._decide_cuda_graphs(attn_backend.cuda_graph_capturable, config.enforce_eager)
         self.cache_shape = CacheShape(

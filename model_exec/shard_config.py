@@ -9,7 +9,7 @@ Torch-free: the controller builds it, the torch-free worker carries it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ops.dtypes import DTYPES
 
@@ -32,6 +32,8 @@ class ShardConfig:
     enable_lora: bool = False  # give the linear layers LoRA slots (adapters come later, Worker.add_lora)
     max_loras: int = 1
     max_lora_rank: int = 16
+    runner: Literal["generate", "pooling"] = "generate"  # pooling: a pooling model and head, no sampler
+    pooler_config: dict[str, Any] | None = None  # EngineConfig.pooler_config (model_exec/pooling_config.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

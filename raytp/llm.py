@@ -11,8 +11,11 @@ from tqdm.auto import tqdm
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput, RequestOutputBuilder
+from cluster.pooling_outputs import EmbeddingRequestOutput, ScoringRequestOutput
+from raytp import pooling
 from raytp.chat_template import render_chat
 from request.lora import LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one per prompt
@@ -103,6 +106,23 @@ class LLM:
             ids = render_chat(tokenizer, conv, add_generation_prompt, tools, chat_template_kwargs, chat_template)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), in input order; a pooling model (runner="pooling").
+        `pooling_params`: e.g. `PoolingParams(dimensions=64)` (Matryoshka) or `normalize=False`."""
+        return pooling.embed(self.llm_engine, _as_prompt_list(prompts), pooling_params, self._counter, use_tqdm)
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of each (text_1, text_2) pair (`.outputs.score`): one text_1 against every text_2, or two
+        lists zipped. A cross-encoder scores each pair; an embedding model the cosine of the embeddings."""
+        return pooling.score(self.llm_engine, text_1, text_2, self._counter, use_tqdm)
 
     def _run(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 
 # The asynchronous step (cluster/async_step.py) schedules a step before the previous step's samples are known:
@@ -40,6 +41,8 @@ class NewSeqData:
     seed: int  # the sequence's RNG seed (request seed or engine-drawn), combined with the step for noise
     sample_index: int  # which of the request's best_of samples this sequence is (seeds differ per sample)
     lora_id: int = 0  # the request's LoRARequest.lora_int_id (request/lora.py); 0 (NO_LORA): the base model
+    # a pooling request (runner="pooling"): rank 0 pools the prompt's hidden states instead of sampling
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -102,3 +105,6 @@ class ModelRunnerOutput:
     # seq_id -> logprobs for the prompt positions computed this step, in order. Position p's entry scores
     # prompt token p given tokens < p; the very first prompt token has no entry (vLLM returns None for it).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # seq_id -> the pooled result of a pooling request whose whole prompt ran this step: an embedding, or a
+    # cross-encoder's scores (float32 [num_labels]); the scheduler finishes the sequence on it
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from kv import AllocStatus, BlockManager
 from kv.prefix_cache import salt_of
 from request.lora import NO_LORA
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.constraint import TokenConstraint
@@ -89,11 +90,13 @@ class Scheduler:
         constraint: TokenConstraint | None = None,
         lora_id: int = NO_LORA,
         lora_load_generation: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> SequenceGroup:
         """`constraint`: the first sample's grammar matcher, in its start state (structured outputs).
         `lora_id`: the adapter the request runs with, loaded on the workers; `lora_load_generation`: which
         load of that id (the engine counts every load), so a re-used id never hits the KV cached under an
-        adapter it named before."""
+        adapter it named before. `pooling_params`: a pooling request, finished by the step that computes its
+        prompt (the engine runs pooling requests without chunked prefill, so that is its first step)."""
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         seq = Sequence(
@@ -113,6 +116,7 @@ class Scheduler:
             prompt_logprobs=[None] if sampling_params.prompt_logprobs is not None else None,
             lora_id=lora_id,
             cache_salt=salt_of((lora_id, lora_load_generation)) if lora_id != NO_LORA else None,
+            pooling_params=pooling_params,
         )
         self._groups[request_id] = group
         self._seq_owner[seq.seq_id] = group
@@ -398,6 +402,7 @@ class Scheduler:
                         seed=seq.seed,
                         sample_index=seq.sample_index,
                         lora_id=group.lora_id,
+                        pooling_params=group.pooling_params,
                     )
                 )
             else:
@@ -481,6 +486,13 @@ class Scheduler:
             if group is not None and group.prompt_logprobs is not None:
                 group.prompt_logprobs.extend(entries)
         now = time.monotonic()
+        for seq_id, pooled in result.pooled.items():
+            group = self._seq_owner.get(seq_id)
+            if group is None:  # aborted between schedule() and update()
+                continue
+            group.pooled = pooled
+            group.first_token_time = now
+            self.finish_seq(group.seqs[0], SequenceStatus.FINISHED_STOPPED)  # its blocks are free at once
         for seq_id, sample in result.samples.items():
             group = self._seq_owner.get(seq_id)
             if group is None:

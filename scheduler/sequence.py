@@ -10,8 +10,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from request.lora import NO_LORA
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.constraint import TokenConstraint
 from scheduler.outputs import TokenLogprobs
@@ -131,6 +133,10 @@ class SequenceGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # A pooling request (runner="pooling"): one forward over the whole prompt, then `pooled` holds its result
+    # (float32 values, as ModelRunnerOutput.pooled) and the request finishes; `sampling_params` stays unused.
+    pooling_params: PoolingParams | None = None
+    pooled: Any = None
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

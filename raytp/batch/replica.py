@@ -94,6 +94,7 @@ class BatchReplica:
             generation_defaults=dict(info.generation_defaults),
             max_token_chars=max_token_chars(self._tokenizer),
             chat=self._chat,
+            pooling_task=info.pooling_task,
         )
         adapters = [Adapter(lora, self._model_name) for lora in self._loras]
         self._handlers = handlers(ServedModels([self.ctx], adapters))

@@ -37,7 +37,7 @@ class CompletionHandler:
     async def _prompts(self, ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text if given as text and kept whole, token ids) per prompt, truncated as the request asks."""
         out: list[tuple[str | None, list[int]]] = []
-        for text, ids in await _tokenized(ctx, req.prompt, req.add_special_tokens):
+        for text, ids in await tokenized_prompts(ctx, req.prompt, req.add_special_tokens):
             kept = truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len)
             out.append((text if len(kept) == len(ids) else None, kept))  # echo decodes what was kept
         return out
@@ -170,20 +170,23 @@ def _prompt_entries(
     return [None] * (len(prompt_ids) - len(got)) + got
 
 
-async def _tokenized(
-    ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]], add_special_tokens: bool
+async def tokenized_prompts(
+    ctx: ServingContext,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    add_special_tokens: bool,
+    param: str = "prompt",
 ) -> list[tuple[str | None, list[int]]]:
-    """(text if given as text, token ids) per prompt."""
+    """(text if given as text, token ids) per prompt; `param` names the field in errors (embeddings: input)."""
     if isinstance(prompt, str):
-        return [(prompt, await ctx.encode(prompt, add_special_tokens))]
+        return [(prompt, await ctx.encode(prompt, add_special_tokens, param))]
     if not prompt:
-        raise bad_request("prompt must not be empty.", "prompt")
+        raise bad_request(f"{param} must not be empty.", param)
     if all(isinstance(p, int) for p in prompt):
         return [(None, [p for p in prompt if isinstance(p, int)])]
     out: list[tuple[str | None, list[int]]] = []
     for p in prompt:
         if isinstance(p, str):
-            out.append((p, await ctx.encode(p, add_special_tokens)))
+            out.append((p, await ctx.encode(p, add_special_tokens, param)))
         else:
             assert isinstance(p, list)
             out.append((None, list(p)))

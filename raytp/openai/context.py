@@ -25,6 +25,7 @@ import jinja2.meta
 import jinja2.sandbox
 from jinja2.exceptions import TemplateError
 
+from cluster.pooling import pair_token_ids
 from raytp.chat_template import ChatTemplateError, render_chat, template_message
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.engine_client import EngineClient
@@ -33,6 +34,7 @@ from raytp.openai.protocol import ChatMessageIn
 from raytp.openai.stream import RequestStream
 from request.errors import PromptTooLongError
 from request.lora import LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -66,6 +68,8 @@ class ServingContext:
     # the model's sampling defaults (the engine's `generation_defaults`): what a request's unset field takes
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     enable_lora: bool = False  # the engine serves LoRA adapters (EngineConfig.enable_lora)
+    # a pooling model's task (the engine's `pooling_task`: "embed" or "score"); None: the model generates
+    pooling_task: str | None = None
     # the adapter every request through this context runs with (None: the base model); set by `with_adapter`
     lora: LoRARequest | None = None
     _pool: ThreadPoolExecutor = field(
@@ -87,7 +91,9 @@ class ServingContext:
         tokenizer threads, answering under the adapter's name."""
         return dataclasses.replace(self, model_name=lora.lora_name, lora=lora)
 
-    def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def stream(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
+    ) -> RequestStream:
         """Engine request ids must be unique in the engine while a client's `X-Request-Id` need not be
         (two clients may send the same one): the engine id is the public id plus a random suffix, so a
         log line still names the request by its prefix."""
@@ -105,6 +111,11 @@ class ServingContext:
         self._check_chars(len(text), param)
         ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
+
+    async def tokenize_pair(self, first: str, second: str) -> list[int]:
+        """A cross-encoder's (query, document) input, as its tokenizer pairs them (cluster/pooling.py)."""
+        self._check_chars(len(first) + len(second), "text_2")
+        return await self._off_loop(pair_token_ids, self.tokenizer, first, second)
 
     async def decode(self, ids: list[int]) -> str:
         return str(await self._off_loop(self.tokenizer.decode, ids))

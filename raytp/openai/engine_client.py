@@ -24,6 +24,7 @@ from cluster.engine import EngineDeadError
 from cluster.loop_records import ModelInfo
 from cluster.outputs import RequestDelta
 from request.lora import LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas, the last with finished=True; closing the iterator early aborts it.
@@ -71,7 +72,7 @@ class ServeEngineClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         stream = self._server.generate.remote(request_id, prompt_token_ids, params, lora_request)
@@ -105,7 +106,7 @@ class ActorEngineClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         finished = False

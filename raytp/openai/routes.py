@@ -17,9 +17,12 @@ from pydantic import BaseModel, ValidationError
 from raytp.openai.chat import ChatHandler
 from raytp.openai.completions import CompletionHandler
 from raytp.openai.context import ServingContext
+from raytp.openai.embeddings import EmbeddingHandler
 from raytp.openai.errors import validation_error
 from raytp.openai.models import ServedModels
+from raytp.openai.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from raytp.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from raytp.openai.score import RerankHandler, ScoreHandler
 from raytp.openai.tokenize import DetokenizeHandler, TokenizeHandler
 
 
@@ -54,6 +57,9 @@ class Route:
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/completions", CompletionRequest, CompletionHandler, "cmpl"),
     Route("POST", "/v1/chat/completions", ChatCompletionRequest, ChatHandler, "chatcmpl"),
+    Route("POST", "/v1/embeddings", EmbeddingRequest, EmbeddingHandler, "embd"),
+    Route("POST", "/v1/score", ScoreRequest, ScoreHandler, "score"),
+    Route("POST", "/v1/rerank", RerankRequest, RerankHandler, "rerank"),
     Route("POST", "/tokenize", TokenizeRequest, TokenizeHandler, "tokenize"),
     Route("POST", "/detokenize", DetokenizeRequest, DetokenizeHandler, "detokenize"),
 )

@@ -15,6 +15,7 @@ from cluster.outputs import PromptInfo, RequestDelta, RequestOutput, RequestOutp
 from raytp.openai.engine_client import EngineClient
 from raytp.openai.errors import request_failed
 from request.lora import LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 
 
@@ -26,7 +27,7 @@ class RequestStream:
         client: EngineClient,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id

@@ -134,4 +134,5 @@ async def _context(model: ModelArgs, client: EngineClient, tokenizer: Any) -> Se
         max_token_chars=max_token_chars(tokenizer),
         chat=model.chat,
         enable_lora=model.engine.enable_lora,
+        pooling_task=info.pooling_task,
     )

@@ -26,6 +26,7 @@ from raytp.openai.errors import EngineOverloadedError
 from raytp.serve.args import ModelArgs
 from raytp.serve.lora_sync import LoRASync
 from request.lora import LoRAError, LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class ModelReplica:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the engine's deltas. Closing this stream early (client gone) aborts the request."""

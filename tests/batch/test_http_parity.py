@@ -41,6 +41,12 @@ def test_batch_bodies_equal_the_http_servers(tmp_path: Path) -> None:
             ("tokenize-both", "/tokenize", {"prompt": "x", "messages": []}),
             ("detokenize", "/detokenize", {"tokens": [1, 2, 3]}),
             ("detokenize-bad", "/detokenize", {"tokens": [1 << 30]}),
+            # a generation model refuses pooling requests the same way on both roads (tests/serving/
+            # test_pooling_routes.py runs them on pooling models)
+            ("embed-on-chat", "/v1/embeddings", {"input": ["hi", "there"]}),
+            ("score-on-chat", "/v1/score", {"text_1": "a", "text_2": ["b", "c"]}),
+            ("rerank-on-chat", "/v1/rerank", {"query": "a", "documents": ["b"]}),
+            ("embed-bad-format", "/v1/embeddings", {"input": "hi", "encoding_format": "int8"}),
         ]
     ]
     rows += [  # structured outputs and tool calls go through the same handlers

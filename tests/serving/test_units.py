@@ -145,5 +145,5 @@ def test_the_http_app_and_batch_lines_take_the_route_table() -> None:
         return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": {}})
 
     assert all(isinstance(parse_line(1, line(r.path)), BatchRow) for r in ROUTES)
-    refused = parse_line(1, line("/v1/embeddings"))
+    refused = parse_line(1, line("/v1/audio/transcriptions"))
     assert isinstance(refused, BatchError) and refused.code == "invalid_url"

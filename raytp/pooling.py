@@ -1,0 +1,94 @@
+"""The offline pooling calls behind `LLM.embed` and `LLM.score`: requests into the engine, the engine's one
+output stream folded into vLLM's output types."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cluster.engine import LLMEngine, PromptType
+from cluster.pooling import pair_token_ids
+from cluster.pooling_outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine,
+    score_of,
+    score_pairs,
+)
+from request.pooling_params import PoolingParams
+
+
+def run_pooling(
+    engine: LLMEngine, prompts: list[PromptType], params: PoolingParams, ids: Iterator[int], use_tqdm: bool
+) -> list[tuple[str, Any, list[int]]]:
+    """(request id, pooled result, prompt token ids) per prompt, in input order."""
+    rids: list[str] = []
+    try:
+        for prompt in prompts:
+            rid = str(next(ids))
+            engine.add_request(rid, prompt, params)
+            rids.append(rid)
+    except Exception:
+        engine.abort_request(rids)  # a bad prompt refuses the whole call, and frees what it queued
+        raise
+    results: dict[str, tuple[Any, list[int]]] = {}
+    token_ids: dict[str, list[int]] = {}
+    wanted = set(rids)
+    bar = tqdm(total=len(rids), desc="Processed prompts", disable=not use_tqdm)
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.request_id not in wanted:
+                continue
+            if delta.prompt is not None:
+                token_ids[delta.request_id] = delta.prompt.token_ids
+            if delta.finished:
+                if delta.error is not None:
+                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
+                results[delta.request_id] = (delta.pooled, token_ids.get(delta.request_id, []))
+                bar.update(1)
+    bar.close()
+    return [(rid, *results[rid]) for rid in rids]
+
+
+def embed(
+    engine: LLMEngine, prompts: list[PromptType], params: PoolingParams | None, ids: Iterator[int], use_tqdm: bool
+) -> list[EmbeddingRequestOutput]:
+    params = params or PoolingParams(task="embed")
+    return [
+        EmbeddingRequestOutput(rid, EmbeddingOutput([float(v) for v in pooled]), token_ids)
+        for rid, pooled, token_ids in run_pooling(engine, prompts, params, ids, use_tqdm)
+    ]
+
+
+def score(
+    engine: LLMEngine,
+    text_1: str | Sequence[str],
+    text_2: str | Sequence[str],
+    ids: Iterator[int],
+    use_tqdm: bool,
+) -> list[ScoringRequestOutput]:
+    """A cross-encoder scores each pair in one forward; an embedding model scores the cosine of the two
+    embeddings (vLLM's two ways)."""
+    pairs = score_pairs(text_1, text_2)
+    if engine.pooling_task == "score":
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": pair_token_ids(engine.tokenizer, a, b)} for a, b in pairs
+        ]
+        done = run_pooling(engine, prompts, PoolingParams(task="score"), ids, use_tqdm)
+        return [ScoringRequestOutput(rid, ScoringOutput(score_of(p)), t) for rid, p, t in done]
+    firsts = list(dict.fromkeys(a for a, _ in pairs))
+    seconds = [b for _, b in pairs]
+    vectors = embed(engine, [*firsts, *seconds], None, ids, use_tqdm)
+    by_first = dict(zip(firsts, vectors[: len(firsts)], strict=True))
+    return [
+        ScoringRequestOutput(
+            out.request_id,
+            ScoringOutput(cosine(by_first[a].outputs.embedding, out.outputs.embedding)),
+            by_first[a].prompt_token_ids + out.prompt_token_ids,
+        )
+        for (a, _), out in zip(pairs, vectors[len(firsts) :], strict=True)
+    ]
