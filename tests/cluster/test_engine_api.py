@@ -23,7 +23,9 @@ FRANCE = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: 2018-0
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    llm = LLM(None, max_model_len=1024, block_size=16)
+    # quantization="none": the logprob tests compare with HF's fp32 dequantised load of the same GGUF at 1e-4;
+    # the kept-quantized path (int8 activations) has its own tests (tests/model_exec/test_gguf_quantized.py)
+    llm = LLM(None, max_model_len=1024, block_size=16, quantization="none")
     yield llm
     llm.llm_engine.shutdown()  # its KV pool (GiBs) would otherwise outlive the module in the test process
 
@@ -259,7 +261,9 @@ def test_prompt_logprobs_are_complete_when_the_prefix_cache_hits(llm: LLM) -> No
     assert len(ids) >= 4 * 16, "several blocks long"
     assert plp is not None and len(plp) == len(ids) and plp[0] is None
     assert all(e is not None and tok in e for e, tok in zip(plp[1:], ids[1:], strict=True))
-    off = LLM(None, max_model_len=1024, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+    off = LLM(
+        None, max_model_len=1024, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, quantization="none"
+    )
     try:
         (ref,) = off.generate(LONG, greedy(2, prompt_logprobs=2), use_tqdm=False)
     finally:

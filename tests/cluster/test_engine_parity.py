@@ -100,7 +100,9 @@ def test_smollm2_matches_hf(variant: str) -> None:
 
     tok = load_tokenizer(resolve_model(None))
     prompts = [tok.encode(p) for p in PROMPTS]
-    kwargs = dict(VARIANTS[variant])
+    # quantization="none": token-exact parity with HF's fp32 dequantised load of the same GGUF; the kept-quantized
+    # path has its own tests against the dequantised reference (tests/model_exec/test_gguf_quantized.py)
+    kwargs = dict(VARIANTS[variant], quantization="none")
     if variant in ("recompute", "swap"):
         kwargs["num_gpu_blocks_override"] = 60
     expected = hf_greedy(None, prompts, MAX_NEW)
@@ -122,7 +124,7 @@ def test_smollm2_prefix_cache_hits_match_hf() -> None:
     system = "You are a careful assistant. Answer briefly and precisely. " * 12
     prompts = [tok.encode(system + q) for q in PROMPTS[:4]]
     expected = hf_greedy(None, prompts, MAX_NEW)
-    llm = LLM(None, enable_prefix_caching=True)
+    llm = LLM(None, enable_prefix_caching=True, quantization="none")  # exact parity with HF's fp32 weights
     assert len(tok.encode(system)) > llm.llm_engine.config.block_size
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

@@ -69,7 +69,16 @@ def test_tp2_matches_tp1_and_hf(models: dict[str, str], kind: str, preemption_mo
 @pytest.mark.slow
 def test_tp3_smollm2_matches_tp1_and_hf() -> None:
     """The embedded SmolLM2 (9 query / 3 KV heads) split over 3 ranks, with chunking and preemption."""
-    llm = LLM(None, tensor_parallel_size=3, block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=8)
+    # quantization="none" (it travels to the Ray ranks in the config): token-exact parity with HF's fp32
+    # dequantised load of the same GGUF; the kept-quantized path has its own tests (test_gguf_quantized.py)
+    llm = LLM(
+        None,
+        tensor_parallel_size=3,
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_num_batched_tokens=8,
+        quantization="none",
+    )
     try:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(p) for p in PROMPTS[:4]]
@@ -79,7 +88,7 @@ def test_tp3_smollm2_matches_tp1_and_hf() -> None:
     finally:
         llm.llm_engine.shutdown()
     assert got == hf_greedy(None, prompts, 32)
-    tp1 = LLM(None, kv_cache_memory_bytes=1 << 26)
+    tp1 = LLM(None, kv_cache_memory_bytes=1 << 26, quantization="none")
     assert generate_ids(tp1, prompts, 32) == got
 
 
