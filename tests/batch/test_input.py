@@ -34,7 +34,7 @@ def test_bad_file_is_refused_listing_each_line_before_anything_runs(tmp_path: Pa
             json.dumps(row("a")),
             '{"custom_id": "b", "method": "POST", ',  # broken JSON
             json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),  # no custom_id
-            json.dumps(row("c", url="/v1/embeddings")),  # unknown url
+            json.dumps(row("c", url="/v1/audio/speech")),  # unknown url
             json.dumps(row("a")),  # duplicate id
             json.dumps(row("d", url="/v1/chat/completions")),
         ],
