@@ -92,9 +92,9 @@ class EngineConfig:
     )
     quantization: str | None = _opt(
         None,
-        "weight quantization: default from the checkpoint (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks on the CPU in "
-        "float32, else loads dequantized); gguf (required: refused where it cannot run); int8 (weight-only, "
-        "scales per 32 weights computed at load; CPU float32); none (float weights)",
+        "weight quantization: default none (float weights; a GGUF dequantized); gguf (a GGUF keeps its "
+        "Q8_0/Q4_0/Q4_1 blocks on the CPU in float32; refused where it cannot run); int8 (weight-only, scales "
+        "per 32 weights computed at load; CPU float32)",
         QUANTIZATIONS,
     )
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT checkpoints) on top of the base model")
