@@ -39,8 +39,21 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
-# HF `hidden_act` name -> the gated activation (model_exec.config.HIDDEN_ACTS lists the same names)
-ACT_AND_MUL: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+class GeluAndMul(nn.Module):
+    """[..., 2d] (gate | up) -> gelu(gate) * up, [..., d]: HF's `gelu` (exact, erf) gated MLP, as torch computes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate) * up
+
+
+# HF `hidden_act` name -> the gated activation (model_exec.config.HIDDEN_ACTS lists the same names; the
+# encoders' plain, ungated `gelu` is model_exec/models/bert.py's own)
+ACT_AND_MUL: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu": GeluAndMul,
+}
 
 
 def act_and_mul(name: str) -> nn.Module:

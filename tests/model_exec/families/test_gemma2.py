@@ -15,7 +15,7 @@ import torch
 
 from model_exec.architectures import ARCHITECTURES
 from model_exec.config import HIDDEN_ACTS
-from model_exec.layers.activation import ACT_AND_MUL, GeluTanhAndMul
+from model_exec.layers.activation import ACT_AND_MUL, GeluAndMul, GeluTanhAndMul
 from model_exec.layers.norm import GemmaRMSNorm
 from model_exec.models import build_model
 from model_exec.models.options import DecoderOptions
@@ -133,6 +133,7 @@ def test_gelu_tanh_gate_is_hfs() -> None:
     x = 3 * torch.randn(7, 2 * 96)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(GeluTanhAndMul()(x), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    assert torch.equal(GeluAndMul()(x), ACT2FN["gelu"](gate) * up)
 
 
 @pytest.mark.parametrize("world_size", (2,))
