@@ -5,7 +5,7 @@ llama.cpp decoding the same file in the same run (issue 39's table).
     python benchmarks/quantized.py --llamacpp-python /tmp/lcppenv/bin/python   # add llama.cpp's row
 
 The raytp engines are loaded once, in this process, from the same GGUF file: `quantization="none"` (every
-weight dequantized to fp32, the reference path), the default (kept in blocks) and `quantization="int8"`
+weight dequantized to fp32, the reference path), `quantization="gguf"` (kept in blocks) and `quantization="int8"`
 (the dequantized fp32 weights quantized again at load, Q8_0 blocks). Each round runs, in turn,
 each engine on one request (a 128-token prompt of fixed English text, greedy, 256 new tokens, EOS ignored,
 prefix caching off) and then llama.cpp's anchor (`/work/shared/anchors/llamacpp_anchor.py`, one run, its own
