@@ -205,7 +205,7 @@ def test_model_config_rejects_what_we_cannot_run() -> None:
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         ModelConfig.from_hf_config(_hf_like(num_key_value_heads=3))
     with pytest.raises(ValueError, match="hidden_act"):
-        ModelConfig.from_hf_config(_hf_like(hidden_act="gelu"))
+        ModelConfig.from_hf_config(_hf_like(hidden_act="quick_gelu"))
 
 
 def test_check_tp_names_the_head_count_that_does_not_divide() -> None:
