@@ -72,14 +72,13 @@ def engine_deployment(sa: ServeArgs, model: ModelArgs) -> dict[str, Any]:
     reserved by the TP worker actors."""
     options: dict[str, Any] = {
         "max_ongoing_requests": model.max_ongoing_requests,
+        "health_check_period_s": model.health_check_period_s,
         "ray_actor_options": {"num_cpus": 0},
     }
     if model.autoscaling_config is not None:
         options["autoscaling_config"] = model.autoscaling_config
     else:
         options["num_replicas"] = model.num_replicas if model.num_replicas is not None else 1
-    if model.health_check_period_s is not None:
-        options["health_check_period_s"] = model.health_check_period_s
     if sa.split:  # the ingress reaches these replicas through a handle: Serve's router picks one per request
         options["request_router_config"] = request_router_config(sa.request_router or "prefix", model.engine.block_size)
     return options

@@ -30,6 +30,11 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # Default concurrency of one replica: the engine queues and batches, so Serve should not
 # hold requests back below what the scheduler can take (max_num_seqs defaults to 256).
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
+# Serve marks a replica unhealthy after 3 failed checks in a row; at its default period (10 s) a replica
+# whose engine died (a worker killed) kept the model unavailable ~28 s before its replacement even
+# started. A check is one ping per rank (cluster/controller.py), so checking every 2 s costs nothing
+# and sees a dead engine in ~5 s (python -m benchmarks.recovery: docs/architecture.md, "Failures").
+DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 RequestRouterName = Literal["prefix", "pow2"]
 REQUEST_ROUTERS: tuple[RequestRouterName, ...] = ("prefix", "pow2")
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -123,7 +128,7 @@ class ModelArgs:
     autoscaling_config: dict[str, Any] | None = _arg(None, "Serve AutoscalingConfig of the model replicas, as JSON")
     max_ongoing_requests: int = _arg(DEFAULT_MAX_ONGOING_REQUESTS, "requests in flight per replica (Serve's limit)")
     max_waiting_requests: int | None = _arg(None, "503 once this many requests wait in a replica for a first token")
-    health_check_period_s: float | None = _arg(None, "seconds between Serve's replica health checks")
+    health_check_period_s: float = _arg(DEFAULT_HEALTH_CHECK_PERIOD_S, "seconds between Serve's replica health checks")
     # ids 1..n in the application's order (ServeArgs.lora_modules); needs engine.enable_lora
     lora_modules: tuple[LoRAModule, ...] = ()
     # vLLM's chat flags: how tool calls and reasoning are read out of the text (flat keys, as the engine's).

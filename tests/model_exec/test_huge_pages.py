@@ -38,3 +38,19 @@ def test_advise_covers_the_aligned_interior_and_keeps_values() -> None:
 def test_advise_skips_what_it_cannot_cover() -> None:
     assert huge_pages.advise(torch.zeros(1000)) == 0  # smaller than one huge page
     assert huge_pages.advise(torch.zeros(1 << 22)[::2]) == 0  # not contiguous
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def test_zeros_commits_no_memory_until_touched_and_keeps_its_mapping() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/statm")
+    before = _rss_bytes()
+    pool = huge_pages.zeros((256, 1 << 20), torch.float32)  # 1 GiB
+    assert _rss_bytes() - before < 64 << 20  # a replacement replica does not pay to zero its whole pool
+    view = pool[100]
+    del pool  # the view alone keeps the mapping
+    view[:4] = 2.0
+    assert view[:5].tolist() == [2.0, 2.0, 2.0, 2.0, 0.0] and not view[5:].any()
