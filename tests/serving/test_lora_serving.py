@@ -11,6 +11,7 @@ The refusal with runtime updating off is checked on the multi-model server (test
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -147,9 +148,16 @@ def test_load_and_unload_at_runtime_reach_every_replica(
         assert "tuned" not in {m["id"] for m in requests.get(server.url("/v1/models"), timeout=30).json()["data"]}
     again = post(server, "/v1/unload_lora_adapter", {"lora_name": "tuned"})
     assert again.status_code == 404 and "tuned" in again.json()["error"]["message"]
-    # The name is free again: loading it anew serves the same checkpoint under a fresh id.
+    # The name is free again: loading it anew serves the same checkpoint under a fresh id. The POST answers
+    # once the ingress replica that took it routes the name; the other one follows within a registry round
+    # trip (docs/architecture.md), so wait for it before a request that HAProxy may send there (one CI run
+    # on a loaded machine got there first: a 404).
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": paths["tuned"]})
     assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while not all("tuned" in names for names in names_per_replica().values()):
+        assert time.monotonic() < deadline, "the other ingress replica never routed the reloaded adapter"
+        time.sleep(0.1)
     assert complete(server, "tuned").json()["choices"][0]["text"] == expected["tuned"]
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "tuned"}).status_code == 200
 
