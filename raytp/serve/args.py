@@ -33,7 +33,7 @@ DEFAULT_MAX_ONGOING_REQUESTS = 1024
 # Serve marks a replica unhealthy after 3 failed checks in a row; at its default period (10 s) a replica
 # whose engine died (a worker killed) kept the model unavailable ~28 s before its replacement even
 # started. A check is one ping per rank (cluster/controller.py), so checking every 2 s costs nothing
-# and sees a dead engine in ~5 s (python -m benchmarks.recovery: docs/architecture.md, "Failures").
+# and sees a dead engine in ~6 s (python -m benchmarks.recovery; docs/benchmarks.md, "Recovery").
 DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 RequestRouterName = Literal["prefix", "pow2"]
 REQUEST_ROUTERS: tuple[RequestRouterName, ...] = ("prefix", "pow2")
