@@ -33,13 +33,8 @@ from typing import Any
 
 import requests
 
-PROMPTS = ["Describe Paris as JSON.", "Give me a JSON object about a cat.", "Return JSON with a person's name and age."]
-# `--format schema`: free-text string fields (issue 41's second target)
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "tags": {"type": "array"}},
-    "required": ["name", "description"],
-}
+# The workload is the offline script's (stdlib only there, so vLLM's interpreter runs it as well).
+from benchmarks.json_mode_offline import PROMPTS, SCHEMA
 
 
 def response_format(fmt: str) -> dict[str, Any] | None:

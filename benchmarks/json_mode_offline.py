@@ -28,6 +28,7 @@ import statistics
 from typing import Any
 
 PROMPTS = ["Describe Paris as JSON.", "Give me a JSON object about a cat.", "Return JSON with a person's name and age."]
+# `--format schema`: free-text string fields (issue 41's second target)
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "tags": {"type": "array"}},

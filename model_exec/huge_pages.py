@@ -77,8 +77,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     numel = math.prod(shape)
     if numel == 0:
         return torch.zeros(tuple(shape), dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(buffer, dtype=dtype, count=numel).view(tuple(shape))
     advise(t)
     return t
