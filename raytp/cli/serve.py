@@ -20,6 +20,9 @@ import os
 import signal
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from types import FrameType
 from typing import Any
 
@@ -145,6 +148,7 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
         serve.run(build_app(serve_args), name=APP_NAME, route_prefix="/")
         names = ", ".join(m.name for m in sa.models)
         base = f"http://{_url_host(host)}:{port}"
+        _wait_until_healthy(base, HEALTHY_WITHIN_S)
         print(f"raytp: serving {names} at {base}  (OpenAI base URL: {base}/v1); Ctrl-C to stop", flush=True)
         _print_scrape_targets(base)
         while not stop.wait(3600):
@@ -161,6 +165,33 @@ def run_server(host: str, port: int, serve_args: dict[str, Any]) -> int:
             if haproxy_dir is not None:
                 release(haproxy_dir)
     return 0
+
+
+HEALTHY_WITHIN_S = 120.0
+
+
+def _wait_until_healthy(base: str, within_s: float) -> None:
+    """Return once `GET /health` on the API port answers 200, so "raytp: serving" means exactly that.
+
+    Why: `serve.run` returns when the replica is healthy in Serve's controller, but the HTTP proxy
+    (HAProxy) marks the replica's server up only after its own next check; until then /health is
+    HAProxy's 503 (haproxy_shim.py). One CI run saw that 503 right after the "serving" line. Past
+    `within_s` a warning is printed and the server keeps running: the app is deployed, only the
+    proxy lags, and a client retrying on 503 still gets served.
+    """
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via $http_proxy
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with direct.open(base + "/health", timeout=10) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass  # 503 (HTTPError is a URLError), refused, or a timeout: not up yet
+        if time.monotonic() > deadline:
+            print(f"raytp: warning: {base}/health did not answer 200 within {within_s:.0f} s", file=sys.stderr)
+            return
+        time.sleep(0.2)
 
 
 def _claim_the_machines_cores(sa: ServeArgs) -> None:
