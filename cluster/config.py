@@ -15,6 +15,7 @@ from model_exec.shard_config import ShardConfig
 from ops.attention.registry import ATTENTION_BACKENDS
 from ops.dtypes import DTYPE_NAMES
 from scheduler.config import PREEMPTION_MODES, PreemptionMode, SchedulerConfig, check_scheduler_fields
+from scheduler.speculative import SpeculativeConfig
 
 _GiB = 1 << 30
 _DTYPES = ("auto", *DTYPE_NAMES)
@@ -114,8 +115,14 @@ class EngineConfig:
     )
     pooler_config: dict[str, Any] | None = _opt(
         None,
-        'runner pooling: override the pooling the model\'s files say, as JSON (vLLM\'s names: '
+        "runner pooling: override the pooling the model's files say, as JSON (vLLM's names: "
         '{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true})',
+    )
+    speculative_config: dict[str, Any] | None = _opt(
+        None,
+        'speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} proposes tokens by prompt lookup; greedy and seeded '
+        "outputs are unchanged (scheduler/speculative.py)",
     )
 
     def __post_init__(self) -> None:
@@ -157,8 +164,22 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}.")
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ValueError(f"pooler_config must be a dict (JSON object), got {type(self.pooler_config).__name__}.")
+        if self.speculative_config is not None:
+            self.speculative  # noqa: B018  (refuses a bad config by name, before anything starts)
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative_config needs async_scheduling off: the asynchronous step plans step N+1 before "
+                    "step N's accepted run is known (cluster/async_step.py)."
+                )
+            if self.runner == "pooling":
+                raise ValueError("speculative_config applies to runner='generate' only.")
         if self.distributed_executor_backend == "inprocess" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend='inprocess' supports tensor_parallel_size=1 only.")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` read into the scheduler's form (ValueError naming a bad key or value)."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def swap_space_bytes(self) -> int:

@@ -161,6 +161,7 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
         enable_chunked_prefill=chunked,
         preemption_mode=config.preemption_mode,
         max_loras=config.max_loras,
+        speculative=config.speculative,
     )
     given = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)}
     resolved = {

@@ -142,6 +142,21 @@ class BlockManager:
         seq.table.extend(self._device.allocate() for _ in range(new))
         return copies
 
+    def blocks_needed(self, seq_id: int, num_total_tokens: int) -> int:
+        """Blocks `append_slots(seq_id, num_total_tokens, ...)` would append (copy-on-write copies aside)."""
+        return max(0, self._blocks_for(num_total_tokens) - len(self._device_seq(seq_id).table))
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` slots (speculative decoding's rejected lookahead).
+        Those blocks hold no computed token, so none of them has a content key to drop."""
+        seq = self._device_seq(seq_id)
+        keep = self._blocks_for(num_tokens)
+        if keep < seq.num_registered:
+            raise ValueError(f"seq {seq_id}: trimming to {num_tokens} tokens would drop registered blocks")
+        for block in reversed(seq.table[keep:]):
+            self._device.decref(block)
+        del seq.table[keep:]
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares every block of the parent (on whichever memory the parent is)."""
         if child_seq_id in self._seqs:

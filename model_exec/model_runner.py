@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
@@ -33,6 +34,7 @@ from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.pooler import Pooler
 from model_exec.sampler import Sampler, SamplingMetadata
+from model_exec.spec_verify import RowToSample, sample_rows
 from ops.attention.base import AttentionMetadata
 from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
@@ -90,7 +92,12 @@ class _Row:
     seq_id: int
     state: _SeqState
     num_computed: int
-    num_scheduled: int
+    num_scheduled: int  # proposals included
+    drafts: list[int]  # speculative decoding: the proposals run after the row's known tokens ([] for most rows)
+
+    def input_ids(self) -> list[int]:
+        known = self.state.token_slice(self.num_computed, self.num_computed + self.num_scheduled - len(self.drafts))
+        return known + self.drafts if self.drafts else known
 
 
 class ModelRunner:
@@ -144,7 +151,8 @@ class ModelRunner:
                 pooling_params=new.pooling_params,
             )
             self.seqs[new.seq_id] = state
-            rows.append(_Row(new.seq_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
+            drafts = so.spec_token_ids.get(new.seq_id, [])
+            rows.append(_Row(new.seq_id, state, new.num_computed_tokens, new.num_scheduled_tokens, drafts))
         for cached in so.cached_seqs:
             state = self.seqs[cached.seq_id]
             state.output_token_ids.extend(cached.new_token_ids)
@@ -152,7 +160,8 @@ class ModelRunner:
                 placeheld.append((cached.seq_id, state))
             del state.block_ids[cached.num_kept_blocks :]
             state.block_ids.extend(cached.new_block_ids)
-            rows.append(_Row(cached.seq_id, state, cached.num_computed_tokens, cached.num_scheduled_tokens))
+            drafts = so.spec_token_ids.get(cached.seq_id, [])
+            rows.append(_Row(cached.seq_id, state, cached.num_computed_tokens, cached.num_scheduled_tokens, drafts))
         if placeheld:
             self._fill_placeholders(placeheld)
         # Attention backends take decode rows (one new token) first; within each kind rows of one adapter sit
@@ -176,11 +185,7 @@ class ModelRunner:
     def _host_inputs(self, rows: list[_Row]) -> _HostStep:
         q_lens_list = [r.num_scheduled for r in rows]
         input_ids = torch.tensor(
-            list(
-                itertools.chain.from_iterable(
-                    r.state.token_slice(r.num_computed, r.num_computed + r.num_scheduled) for r in rows
-                )
-            ),
+            list(itertools.chain.from_iterable(r.input_ids() for r in rows)),
             dtype=torch.long,
         )
         q_lens = torch.tensor(q_lens_list, dtype=torch.int32)
@@ -258,11 +263,13 @@ class ModelRunner:
         if self.pooler is not None:
             return self._pool(rows, hidden, host.starts)
 
-        # Which hidden rows need logits: the last token of every row that samples, then the prompt
-        # positions whose logprobs were asked for. Same selection on every rank (gather is collective).
+        # Which hidden rows need logits: the last token of every row that samples (a speculative row: its
+        # last token and every proposal), then the prompt positions whose logprobs were asked for. Same
+        # selection on every rank (gather is collective).
         starts = host.starts
         sample_rows = [i for i, r in enumerate(rows) if r.seq_id in so.num_samples]
-        select = [starts[i + 1] - 1 for i in sample_rows]
+        select = [p for i in sample_rows for p in range(starts[i + 1] - 1 - len(rows[i].drafts), starts[i + 1])]
+        num_sample_logits = len(select)
         plp_spans: list[tuple[int, int, int]] = []  # (row, first position, count)
         plp_wanted = set(so.prompt_logprobs_seq_ids)
         for i, r in enumerate(rows):
@@ -280,10 +287,11 @@ class ModelRunner:
         logits = logits.float()
         out = ModelRunnerOutput()
         if sample_rows:
-            samples = self._sample([rows[i] for i in sample_rows], logits[: len(sample_rows)], so)
+            samples = self._sample([rows[i] for i in sample_rows], logits[:num_sample_logits], so)
             for i, sample in zip(sample_rows, samples, strict=True):
                 out.samples[rows[i].seq_id] = sample
-                self.last_sampled[rows[i].seq_id] = sample.token_ids[0]
+                # a fork's parent keeps draw 0; a speculative row's newest token ends its accepted run
+                self.last_sampled[rows[i].seq_id] = sample.token_ids[-1 if rows[i].drafts else 0]
         for i, offset, count in plp_spans:
             r = rows[i]
             targets = [r.state.token_at(p + 1) for p in range(r.num_computed, r.num_computed + count)]
@@ -306,22 +314,28 @@ class ModelRunner:
         return ModelRunnerOutput(pooled={r.seq_id: v for r, v in zip(rows, vectors, strict=True)})
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor, so: SchedulerOutput) -> list[SeqSample]:
-        meta = SamplingMetadata(
-            params=[r.state.params for r in rows],
-            seeds=[r.state.seed for r in rows],
-            sample_indices=[r.state.sample_index for r in rows],
-            output_lens=[len(r.state.output_token_ids) for r in rows],
-            num_samples=[so.num_samples[r.seq_id] for r in rows],
-            prompt_token_ids=[r.state.prompt_token_ids for r in rows],
-            output_token_ids=[r.state.output_token_ids for r in rows],
-            eos_token_ids=self.eos_token_ids,
-        )
+        """One SeqSample per row; a speculative row owns len(drafts) + 1 logits rows (model_exec/spec_verify.py)."""
+        bitmask: dict[int, np.ndarray] = {}
         if so.grammar_bitmask is not None:
-            mask_row = {seq_id: j for j, seq_id in enumerate(so.structured_seq_ids)}
-            meta.grammar_rows = [i for i, r in enumerate(rows) if r.seq_id in mask_row]
-            picks = [mask_row[rows[i].seq_id] for i in meta.grammar_rows]
-            meta.grammar_bitmask = torch.from_numpy(so.grammar_bitmask[picks])
-        return self.sampler(logits, meta)
+            bitmask = {seq_id: so.grammar_bitmask[j] for j, seq_id in enumerate(so.structured_seq_ids)}
+        return sample_rows(
+            self.sampler,
+            logits,
+            [
+                RowToSample(
+                    params=r.state.params,
+                    seed=r.state.seed,
+                    sample_index=r.state.sample_index,
+                    prompt_token_ids=r.state.prompt_token_ids,
+                    output_token_ids=r.state.output_token_ids,
+                    num_samples=so.num_samples[r.seq_id],
+                    drafts=r.drafts,
+                    grammar_mask=bitmask.get(r.seq_id),
+                )
+                for r in rows
+            ],
+            self.eos_token_ids,
+        )
 
 
 def _top_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:

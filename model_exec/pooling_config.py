@@ -56,7 +56,7 @@ class PoolerConfig:
 
 
 def pooling_task(architecture: str) -> str:
-    """"generate" for decoders (which may also embed), "embed" or "score" for pooling-only architectures."""
+    """ "generate" for decoders (which may also embed), "embed" or "score" for pooling-only architectures."""
     return ARCHITECTURES[architecture].task
 
 
@@ -152,4 +152,3 @@ def pooling_max_len(architecture: str, hf: Mapping[str, Any], max_position_embed
     if architecture.startswith("XLMRoberta"):
         return max_position_embeddings - int(hf.get("pad_token_id", 1)) - 1  # as models/bert.py indexes
     return max_position_embeddings
-

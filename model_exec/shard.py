@@ -37,6 +37,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+
 def torch_device(device: Literal["cpu", "cuda"]) -> torch.device:
     """The torch device of a device the engine already decided (`auto` is resolved once, before any worker
     starts: cluster/device.py), here where the worker runs."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from scheduler.speculative import SpeculativeConfig
+
 PreemptionMode = Literal["auto", "recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = ("auto", "recompute", "swap")
 
@@ -21,6 +23,8 @@ class SchedulerConfig:
     # Most distinct LoRA adapters among the requests running or swapped out (so in any one step's batch);
     # requests without an adapter never count. Only requests with an adapter (enable_lora) meet the limit.
     max_loras: int = 1
+    # Speculative decoding (scheduler/speculative.py): decoding rows carry up to k proposed tokens; None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_scheduler_fields(self)

@@ -76,6 +76,11 @@ class SchedulerOutput:
     # bit t % 32 of word t // 32 set = token t allowed. Rank 0 masks the logits with it before sampling.
     structured_seq_ids: list[int] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None  # int32 [len(structured_seq_ids), ceil(vocab / 32)]
+    # Speculative decoding: seq_id -> the tokens proposed after its last token. Such a row runs
+    # [last token + proposals] (its num_scheduled_tokens counts them); rank 0 verifies them and answers the
+    # accepted run plus one token of its own as the seq's SeqSample.token_ids (model_exec/spec_verify.py).
+    # The proposals never enter the workers' token state: accepted ones come back as the next step's tokens.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -92,7 +97,8 @@ class SchedulerOutput:
 class SeqSample:
     """What rank 0 produced for one sequence in one step."""
 
-    token_ids: list[int]  # sampled tokens, len == num_samples asked for this seq
+    # sampled tokens, len == num_samples asked for this seq; a speculative row: its accepted proposals + 1
+    token_ids: list[int]
     cumulative_logprob_deltas: list[float]  # raw-model logprob of each sampled token (ranks best_of samples)
     logprobs: list[TokenLogprobs] | None = None  # per sampled token, when SamplingParams.logprobs is set
 

@@ -21,13 +21,19 @@ requests finish, and it is admitted next. Preemption, swap and recompute keep a 
 
 Blocks for a prompt are allocated whole at admission (prefix-cache hits included);
 chunked prefill then computes the prompt over several steps inside those blocks.
+
+Speculative decoding (`config.speculative`, scheduler/speculative.py): a running request's decode may carry
+up to k proposed tokens, when the budget and the free blocks take them without preempting anyone; the
+row's lookahead slots are allocated like any other, and once the verified run is known the sequence counts
+only the accepted tokens as computed, the blocks past its tokens are freed (`BlockManager.trim`), and only
+blocks of accepted tokens enter the prefix cache. Rows under a grammar, forks and pooling never speculate.
 Every function here runs on the controller and touches no tensors.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv import AllocStatus, BlockManager
 from kv.prefix_cache import salt_of
@@ -36,8 +42,16 @@ from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.constraint import TokenConstraint
-from scheduler.outputs import PLACEHOLDER_TOKEN, CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
+from scheduler.outputs import (
+    PLACEHOLDER_TOKEN,
+    CachedSeqData,
+    ModelRunnerOutput,
+    NewSeqData,
+    SchedulerOutput,
+    SeqSample,
+)
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler.speculative import propose_ngram
 
 
 @dataclass
@@ -50,7 +64,8 @@ class _Budget:
 class _Scheduled:
     group: SequenceGroup
     seq: Sequence
-    num_tokens: int
+    num_tokens: int  # scheduled tokens, proposals included
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: the proposals this row verifies
 
 
 class Scheduler:
@@ -73,6 +88,13 @@ class Scheduler:
         self.num_preemptions_swap = 0
         self.num_prompt_tokens = 0  # prompt tokens of every request added
         self.num_generation_tokens = 0  # tokens sampled (appended to sequences) over the engine's life
+        # Speculative decoding, over the engine's life (vLLM's spec_decode counters): rows that carried
+        # proposals, tokens proposed, tokens accepted, and accepted per proposal position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        self.spec_accepted_per_pos = [0] * k
 
     # ------------------------------------------------------------------ requests
     def new_seq_id(self) -> int:
@@ -218,6 +240,13 @@ class Scheduler:
                 plan = self._plan_tokens(group, budget)
                 if plan is None:
                     break
+                drafts = self._propose(group, plan, budget)
+                if drafts:
+                    spec_plan = [(seq, n + len(drafts.get(seq.seq_id, ()))) for seq, n in plan]
+                    if self._can_grow_speculatively(plan, spec_plan):
+                        self._commit(group, spec_plan, budget, out, drafts)
+                        scheduled.add(id(group))
+                        break
                 if self._can_grow(plan):
                     self._commit(group, plan, budget, out)
                     scheduled.add(id(group))
@@ -339,14 +368,56 @@ class Scheduler:
             [(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens) for seq, n in plan]
         )
 
+    def _propose(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], budget: _Budget) -> dict[int, list[int]]:
+        """Speculative decoding: seq_id -> proposals for the group's decoding sequences (empty: none).
+
+        Never for a request under a grammar (each proposal's mask would need the matcher advanced through
+        the ones before it, on the controller, between scheduling and the step), one about to fork, a pooling
+        request, or a row still computing its prompt. Proposals never run past max_tokens or max_model_len
+        (the target's own token after them is the last one allowed), nor past the step's token budget."""
+        spec = self.config.speculative
+        if spec is None or group.pooling_params is not None or group.wants_fork:
+            return {}
+        params = group.sampling_params
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len
+        tokens_left = budget.tokens - sum(n for _, n in plan)
+        drafts: dict[int, list[int]] = {}
+        for seq, n in plan:
+            if n != 1 or seq.num_uncomputed_tokens != 1 or seq.constraint is not None:
+                continue
+            limit = min(
+                tokens_left,
+                max_tokens - len(seq.output_token_ids) - 1,
+                self.config.max_model_len - seq.num_tokens - 1,
+            )
+            proposal = propose_ngram(seq.token_ids, spec, limit) if limit > 0 else []
+            if proposal:
+                drafts[seq.seq_id] = proposal
+                tokens_left -= len(proposal)
+        return drafts
+
+    def _can_grow_speculatively(self, plan: list[tuple[Sequence, int]], spec_plan: list[tuple[Sequence, int]]) -> bool:
+        """Lookahead slots never cost anyone a preemption: besides fitting, the extra blocks they take must
+        leave one free block for every running request (what a decode may need this step)."""
+        bm = self.block_manager
+        extra = sum(bm.blocks_needed(s.seq_id, s.num_computed_tokens + n) for s, n in spec_plan) - sum(
+            bm.blocks_needed(s.seq_id, s.num_computed_tokens + n) for s, n in plan
+        )
+        return self._can_grow(spec_plan) and bm.num_free_device_blocks - extra >= len(self.running)
+
     def _commit(
-        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], budget: _Budget, out: SchedulerOutput
+        self,
+        group: SequenceGroup,
+        plan: list[tuple[Sequence, int]],
+        budget: _Budget,
+        out: SchedulerOutput,
+        drafts: dict[int, list[int]] | None = None,
     ) -> None:
         for seq, n in plan:
             out.blocks_to_copy.extend(
                 self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens)
             )
-            self._scheduled.append(_Scheduled(group, seq, n))
+            self._scheduled.append(_Scheduled(group, seq, n, (drafts or {}).get(seq.seq_id, [])))
             budget.tokens -= n
             budget.seqs -= 1
 
@@ -388,6 +459,8 @@ class Scheduler:
         """Turn this step's plan into full data for sequences new to the workers, deltas for the rest."""
         for item in self._scheduled:
             group, seq, n = item.group, item.seq, item.num_tokens
+            if item.drafts:
+                out.spec_token_ids[seq.seq_id] = item.drafts
             table = self.block_manager.get_block_table(seq.seq_id)
             if seq.num_tokens_on_workers == 0:
                 out.new_seqs.append(
@@ -425,7 +498,7 @@ class Scheduler:
                 )
             seq.num_tokens_on_workers = seq.num_tokens
             seq.block_table_on_workers = table
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.num_computed_tokens + n - len(item.drafts) == seq.num_tokens:
                 out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
                 if seq.constraint is not None:
                     out.structured_seq_ids.append(seq.seq_id)
@@ -457,7 +530,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and update()
                 continue
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_tokens
+            # Proposals count once verified (apply_result): their KV is written, but valid only if accepted.
+            seq.num_computed_tokens += item.num_tokens - len(item.drafts)
             # Only a block that just became full (and computed) can enter the prefix cache.
             if self._prefix_caching and before // self._block_size != seq.num_computed_tokens // self._block_size:
                 self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -493,11 +567,18 @@ class Scheduler:
             group.pooled = pooled
             group.first_token_time = now
             self.finish_seq(group.seqs[0], SequenceStatus.FINISHED_STOPPED)  # its blocks are free at once
+        drafted = {item.seq.seq_id: item.drafts for item in items if item.drafts}
         for seq_id, sample in result.samples.items():
             group = self._seq_owner.get(seq_id)
             if group is None:
                 continue
             parent = next(s for s in group.seqs if s.seq_id == seq_id)
+            if seq_id in drafted:
+                if group.first_token_time is None:
+                    group.first_token_time = now
+                self._apply_verified(group, parent, sample, drafted[seq_id])
+                touched[group.request_id] = group
+                continue
             targets = [parent]
             if group.wants_fork and len(sample.token_ids) > 1:
                 targets += self._fork(group, parent, len(sample.token_ids) - 1)
@@ -515,6 +596,32 @@ class Scheduler:
                 self._check_stop(group, seq)
             touched[group.request_id] = group
         return list(touched.values())
+
+    def _apply_verified(self, group: SequenceGroup, seq: Sequence, sample: SeqSample, drafts: list[int]) -> None:
+        """A speculative row's answer: its accepted proposals and the target's next token, appended one by one
+        (a stop inside the run ends the sequence there; the rest is dropped). Each appended token after the
+        first is an accepted proposal's successor, so the proposal's KV, written this step, becomes computed."""
+        accepted = len(sample.token_ids) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        before = seq.num_computed_tokens
+        for j, token in enumerate(sample.token_ids):
+            if j:
+                seq.num_computed_tokens += 1
+            seq.output_token_ids.append(token)
+            seq.cumulative_logprob += sample.cumulative_logprob_deltas[j]
+            if sample.logprobs is not None:
+                seq.output_logprobs.append(sample.logprobs[j])
+            self.num_generation_tokens += 1
+            self._check_stop(group, seq)
+            if seq.is_finished:
+                return  # its blocks are free already
+        if self._prefix_caching and before // self._block_size != seq.num_computed_tokens // self._block_size:
+            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self.block_manager.trim(seq.seq_id, seq.num_tokens)  # the rejected proposals' lookahead blocks
 
     def _fork(self, group: SequenceGroup, parent: Sequence, num_children: int) -> list[Sequence]:
         group.forked = True

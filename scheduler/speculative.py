@@ -1,0 +1,103 @@
+"""Speculative decoding on the controller: the configuration, and the n-gram (prompt lookup) proposer.
+
+vLLM's `speculative_config` names: `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": M,
+"prompt_lookup_min": m}`. Each step the scheduler asks `propose_ngram` for up to k tokens that continue a
+decoding sequence, schedules [its last token + the proposals] as one row, and the target model verifies them
+in that one forward (model_exec/spec_verify.py); the accepted run and one token of the target's own follow.
+
+The proposer looks for the longest n-gram (M down to m tokens) that ends the sequence and occurred earlier in
+its own prompt + output, and proposes the tokens that followed that occurrence. Decision: the most recent
+occurrence wins (vLLM's V1 proposer takes the first): in a copy or an edit the latest match is the one
+being copied; both are exact, only the acceptance rate can differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+_KNOWN_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"})
+# vLLM's defaults when neither lookup bound is given.
+_DEFAULT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram"
+    num_speculative_tokens: int  # k: most tokens proposed per sequence per step
+    prompt_lookup_max: int  # longest n-gram looked up
+    prompt_lookup_min: int  # shortest n-gram looked up
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}."
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}."
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}."
+            )
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict (the `--speculative-config` JSON); unknown keys and methods are refused by name."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(raw).__name__}.")
+        unknown = sorted(set(raw) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}.")
+        method = raw.get("method")
+        if method == "draft_model" or (method is None and raw.get("model") not in (None, "ngram", "[ngram]")):
+            raise ValueError(
+                "speculative_config: a draft model is not supported yet; raytp speculates with "
+                '{"method": "ngram"} (prompt lookup).'
+            )
+        if method is None and raw.get("model") in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling
+        if method is None:
+            raise ValueError('speculative_config: "method" is required (raytp supports "ngram").')
+        if raw.get("model") not in (None, "ngram", "[ngram]"):
+            raise ValueError(f"speculative_config: method {method!r} takes no model.")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer, got {k!r}.")
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}.")
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_LOOKUP
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        return cls(method=str(method), num_speculative_tokens=k, prompt_lookup_max=int(hi), prompt_lookup_min=int(lo))
+
+
+def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:
+    """Up to `limit` (<= k) tokens that followed the most recent earlier occurrence of the longest n-gram
+    (prompt_lookup_max down to prompt_lookup_min tokens) ending `tokens`; [] when none occurs."""
+    limit = min(limit, config.num_speculative_tokens)
+    length = len(tokens)
+    if limit < 1 or length < config.prompt_lookup_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    # Candidate starts: where the suffix's last token occurs earlier (its continuation exists: s + n < length).
+    for n in range(min(config.prompt_lookup_max, length - 1), config.prompt_lookup_min - 1, -1):
+        pattern = arr[length - n :]
+        windows = sliding_window_view(arr[: length - 1], n)  # starts 0 .. length-1-n: never the suffix itself
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + limit].tolist()
+    return []

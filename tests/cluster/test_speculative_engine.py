@@ -1,0 +1,154 @@
+"""Speculative decoding (n-gram) gives the plain engine's outputs, field for field, in-process on the tiny Llama.
+
+Each case runs the same requests through an engine without speculation and one with
+`speculative_config={"method": "ngram", ...}` and compares every user-visible field (token ids, text,
+cumulative and per-token logprobs within 1e-4, finish and stop reasons), then checks that no KV block leaked and that
+proposals were made and some accepted. The tiny Llama's attention output is scaled down (x0.02), so its
+greedy text falls into the loops prompt lookup predicts while every token still reads the KV cache (a wrong
+cache entry changes the logprobs, compared exactly).
+Over Ray at TP 2: tests/cluster/test_async_step_ray.py. The token-level distribution: tests/model_exec/test_spec_verify.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raytp import LLM, SamplingParams, StructuredOutputsParams
+from tests.cluster.test_async_step import BASE, check_no_leaks, fields, token_prompts
+from tests.helpers.tiny_models import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("spec"))
+    weights_file = Path(path) / "model.safetensors"
+    weights = load_file(weights_file)
+    for name in weights:
+        if "o_proj" in name:
+            weights[name] = weights[name] * 0.02
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path
+
+NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def run_both(model: str, prompts: list[Any], params: Any, **kwargs: Any) -> tuple[list[Any], list[Any], LLM]:
+    results, llm = [], None
+    for spec in (None, NGRAM):
+        llm = LLM(model, **{**BASE, **kwargs, "speculative_config": spec})
+        results.append(fields(llm.generate(prompts, params, use_tqdm=False)))
+        check_no_leaks(llm)
+        llm.llm_engine.shutdown()
+    assert llm is not None
+    return results[0], results[1], llm
+
+
+def assert_same(spec: Any, plain: Any, path: str = "outputs") -> None:
+    """Equal, except floats (logprobs) within 1e-4: a verifying row runs through the prefill attention kernel
+    and a plain decode through the decode kernel, whose sums associate differently (~1e-6 apart here)."""
+    if isinstance(plain, float):
+        assert spec == pytest.approx(plain, rel=1e-4, abs=1e-4), path
+    elif isinstance(plain, dict):
+        assert spec.keys() == plain.keys(), path
+        for key in plain:
+            assert_same(spec[key], plain[key], f"{path}[{key!r}]")
+    elif isinstance(plain, (list, tuple)):
+        assert type(spec) is type(plain) and len(spec) == len(plain), path
+        for i, (a, b) in enumerate(zip(spec, plain, strict=True)):
+            assert_same(a, b, f"{path}[{i}]")
+    elif hasattr(plain, "__dataclass_fields__"):
+        assert type(spec) is type(plain), path
+        for name in plain.__dataclass_fields__:
+            assert_same(getattr(spec, name), getattr(plain, name), f"{path}.{name}")
+    else:
+        assert spec == plain, path
+
+
+def accepted(llm: LLM) -> int:
+    return llm.llm_engine.scheduler.spec_num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(max_num_batched_tokens=16, block_size=4),  # chunked prefill, proposals cut by the budget
+        dict(num_gpu_blocks_override=40, block_size=4, preemption_mode="recompute"),
+        dict(num_gpu_blocks_override=40, block_size=4, preemption_mode="swap"),
+        dict(block_size=4, enable_prefix_caching=True),
+    ],
+    ids=["default", "chunked", "recompute", "swap", "prefix_cache"],
+)
+def test_greedy_output_is_identical(model: str, variant: dict) -> None:
+    prompts = token_prompts() * (2 if variant.get("enable_prefix_caching") else 1)
+    plain, spec, llm = run_both(
+        model, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), **variant
+    )
+    assert_same(spec, plain)
+    assert accepted(llm) > 0
+    sched = llm.llm_engine.scheduler
+    if "preemption_mode" in variant:
+        assert sched.num_preemptions_recompute + sched.num_preemptions_swap > 0
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_identical(model: str) -> None:
+    """Each position is sampled with the noise and penalties the plain engine uses there, so seeded samples
+    are the same tokens, not just the same distribution."""
+    params = [
+        SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            seed=i,
+            max_tokens=32,
+            logprobs=3,
+            frequency_penalty=0.2,
+            repetition_penalty=1.1,
+            min_tokens=4,
+            ignore_eos=i % 2 == 0,
+        )
+        for i in range(8)
+    ]
+    plain, spec, llm = run_both(model, token_prompts(), params)
+    assert_same(spec, plain)
+    assert llm.llm_engine.scheduler.spec_num_drafts > 0
+
+
+def test_stops_inside_an_accepted_run_n_best_of_and_grammars(model: str) -> None:
+    """A stop token, a stop string and max_tokens end the output at the exact token; forks speculate after
+    the prompt step; a request under a grammar runs without proposals and still matches."""
+    probe = LLM(model, **BASE)
+    greedy = probe.generate(
+        token_prompts(), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )
+    probe.llm_engine.shutdown()
+    params = []
+    for i, out in enumerate(greedy):
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        if i % 4 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[ids[5 + i % 7]]))
+        elif i % 4 == 1:
+            params.append(SamplingParams(temperature=0.0, max_tokens=30, stop=[text[8:10]], ignore_eos=True))
+        elif i % 4 == 2:
+            params.append(SamplingParams(temperature=0.8, seed=i, n=2, best_of=3, max_tokens=3 + i, ignore_eos=True))
+        else:
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            params.append(
+                SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema))
+            )
+    plain, spec, llm = run_both(model, token_prompts(), params)
+    assert_same(spec, plain)
+    assert {c[5] for _, _, comps in plain for c in comps} >= {"length", "stop"}
+    assert llm.llm_engine.scheduler.spec_num_drafts > 0
+
+
+def test_a_bad_or_unsupported_config_is_refused_at_start(model: str) -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model, **BASE, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(model, **BASE, speculative_config=NGRAM, async_scheduling=True)
