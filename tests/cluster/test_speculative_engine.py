@@ -6,7 +6,7 @@ cumulative and per-token logprobs within 1e-4, finish and stop reasons), then ch
 proposals were made and some accepted. The tiny Llama's attention output is scaled down (x0.02), so its
 greedy text falls into the loops prompt lookup predicts while every token still reads the KV cache (a wrong
 cache entry changes the logprobs, compared exactly).
-Over Ray at TP 2: tests/cluster/test_async_step_ray.py. The token-level distribution: tests/model_exec/test_spec_verify.py.
+Over Ray at TP 2: tests/cluster/test_async_step_ray.py. The token distribution: tests/model_exec/test_spec_verify.py.
 """
 
 from __future__ import annotations
