@@ -10,7 +10,8 @@ to every caller) asks this collector for
   deltas themselves, i.e. from exactly what callers receive. So `generation_tokens` equals the
   sum of the completion tokens in the usage blocks users see (tokens after a stop string, or of
   best_of samples that were not chosen, are never counted), and `prompt_tokens` counts each
-  request's prompt once, with its first delta.
+  request's prompt once, with its first delta. With speculative decoding it also carries the
+  scheduler's draft and acceptance counts since the previous call (vLLM's spec_decode counters).
 
 Plain Python over the engine's objects: no Ray, no torch; unit-tested without a model.
 Every time is `time.monotonic()` in the controller's process, the clock of `SequenceGroup`.
@@ -22,7 +23,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cluster.lora_registry import LoadedAdapters
-from cluster.metrics.stats import FinishedRequestStats, FinishReason, IterationStats, LoRAStats, SchedulerStats
+from cluster.metrics.stats import (
+    FinishedRequestStats,
+    FinishReason,
+    IterationStats,
+    LoRAStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from cluster.outputs import RequestDelta, RequestMetrics
 from kv import BlockManager
 from request.sampling_params import SamplingParams
@@ -56,6 +64,7 @@ class EngineStatsCollector:
         self._prefix_queries = block_manager.prefix_cache_queries
         self._prefix_hits = block_manager.prefix_cache_hits
         self._preemptions = self._num_preemptions()
+        self._spec = self._spec_totals()  # None: the engine does not speculate
 
     def add_request(self, request_id: str, params: SamplingParams, arrival_time: float) -> None:
         self._requests[request_id] = _Tracked(arrival_time, params.n, params.max_tokens)
@@ -102,6 +111,16 @@ class EngineStatsCollector:
             step_time=step_time,
         )
         self._preemptions = preemptions
+        spec, prev = self._spec_totals(), self._spec
+        if spec is not None and prev is not None:
+            per_pos = zip(spec.num_accepted_tokens_per_pos, prev.num_accepted_tokens_per_pos, strict=True)
+            stats.spec_decoding = SpecDecodingStats(
+                num_drafts=spec.num_drafts - prev.num_drafts,
+                num_draft_tokens=spec.num_draft_tokens - prev.num_draft_tokens,
+                num_accepted_tokens=spec.num_accepted_tokens - prev.num_accepted_tokens,
+                num_accepted_tokens_per_pos=tuple(a - b for a, b in per_pos),
+            )
+            self._spec = spec
         for delta in deltas:
             req = self._requests.get(delta.request_id)
             if req is None:  # not added through this collector
@@ -129,6 +148,18 @@ class EngineStatsCollector:
 
     def _num_preemptions(self) -> int:
         return self._scheduler.num_preemptions_recompute + self._scheduler.num_preemptions_swap
+
+    def _spec_totals(self) -> SpecDecodingStats | None:
+        """The scheduler's speculative-decoding counters over the engine's life (None: no speculation)."""
+        sched = self._scheduler
+        if sched.config.speculative is None:
+            return None
+        return SpecDecodingStats(
+            sched.spec_num_drafts,
+            sched.spec_num_draft_tokens,
+            sched.spec_num_accepted_tokens,
+            tuple(sched.spec_accepted_per_pos),
+        )
 
 
 def _finished(req: _Tracked, m: RequestMetrics | None, now: float) -> FinishedRequestStats:

@@ -136,6 +136,12 @@ _SCHEDULER_GAUGES = (
 )
 _PREFIX = (metric("prefix_cache_queries"), metric("prefix_cache_hits"))
 _ITERATION_COUNTERS = (metric("prompt_tokens"), metric("generation_tokens"), metric("num_preemptions"))
+_SPEC = (
+    (metric("spec_decode_num_drafts"), "num_drafts"),
+    (metric("spec_decode_num_draft_tokens"), "num_draft_tokens"),
+    (metric("spec_decode_num_accepted_tokens"), "num_accepted_tokens"),
+)
+_SPEC_PER_POS = metric("spec_decode_num_accepted_tokens_per_pos")
 _FINISHED_HISTOGRAMS = (
     (metric("e2e_request_latency_seconds"), "e2e_latency"),
     (metric("request_queue_time_seconds"), "queued_time"),
@@ -157,10 +163,18 @@ class EngineMetrics:
     EngineMetrics for the same (model_name, replica): Prometheus sums the per-process series.
     """
 
-    def __init__(self, model_name: str, replica: str, num_ranks: int = 0) -> None:
+    def __init__(self, model_name: str, replica: str, num_ranks: int = 0, num_speculative_tokens: int = 0) -> None:
         """num_ranks: the controller passes its TP size, which creates each rank's failure counter
-        at 0 (so the dashboard lists every rank and increase() sees the first failure)."""
+        at 0 (so the dashboard lists every rank and increase() sees the first failure).
+        num_speculative_tokens: k of the engine's speculative_config (0: none); the spec_decode counters,
+        one per position included, exist (at 0) only when it is set, as vLLM creates them."""
         self._tags = {"model_name": model_name, "replica": replica}
+        self._position_tags = [{**self._tags, "position": str(i)} for i in range(num_speculative_tokens)]
+        if num_speculative_tokens:
+            for d, _ in _SPEC:
+                _zero(d, self._tags)
+            for tags in self._position_tags:
+                _zero(_SPEC_PER_POS, tags)
         self._scheduler_started = False
         self._iteration_started = False
         self._lora_tags: dict[str, str] | None = None  # the lora_requests_info series set last
@@ -195,6 +209,12 @@ class EngineMetrics:
 
     def record_iteration_stats(self, stats: IterationStats) -> None:
         tags = self._tags
+        spec = stats.spec_decoding
+        if spec is not None and len(spec.num_accepted_tokens_per_pos) != len(self._position_tags):
+            raise ValueError(
+                f"{len(spec.num_accepted_tokens_per_pos)} draft positions recorded, "
+                f"the recorder was made for num_speculative_tokens={len(self._position_tags)}"
+            )
         if not self._iteration_started:
             self._iteration_started = True
             for d in _ITERATION_COUNTERS:
@@ -213,6 +233,11 @@ class EngineMetrics:
             _observe(metric("inter_token_latency_seconds"), stats.inter_token_latencies, tags)
         if stats.step_time is not None:
             _observe(metric("engine_step_time_seconds"), (stats.step_time,), tags)
+        if spec is not None:
+            for d, attr in _SPEC:
+                _count(d, getattr(spec, attr), tags)
+            for position_tags, accepted in zip(self._position_tags, spec.num_accepted_tokens_per_pos, strict=True):
+                _count(_SPEC_PER_POS, accepted, position_tags)
         for req in stats.finished_requests:
             _count(_SUCCESS, 1, {**tags, "finished_reason": req.finish_reason})
             for d, attr in _FINISHED_HISTOGRAMS:

@@ -188,6 +188,15 @@ METRICS: tuple[MetricDef, ...] = (
         "request_params_max_tokens", "histogram", "Histogram of the max_tokens request parameter.",
         REQUEST_TOKENS_BUCKETS,
     ),
+    # Speculative decoding (vLLM V1's SpecDecodingProm): only engines with a speculative_config record them.
+    # A draft is one row that carried proposals; `position` is the proposal's index in its draft, 0 to k - 1.
+    _engine("spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
+    _engine("spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
+    _engine("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens."),
+    _engine(
+        "spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+        extra=("position",),
+    ),
     # raytp's own: what only a Ray-native engine can show.
     _engine(
         "engine_step_time_seconds", "histogram",

@@ -70,6 +70,23 @@ class FinishedRequestStats:
             raise ValueError(f"durations cannot be negative: {self}")
 
 
+@dataclass(frozen=True)
+class SpecDecodingStats:
+    """Speculative decoding in one step (vLLM V1's SpecDecodingStats): deltas of the scheduler's counters."""
+
+    num_drafts: int = 0  # rows that carried proposals
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # of those, tokens the target accepted
+    # Index i: drafts whose proposal at position i was accepted; length k (num_speculative_tokens).
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_accepted_tokens <= self.num_draft_tokens or self.num_drafts < 0:
+            raise ValueError(f"need drafts >= 0 and 0 <= accepted <= draft tokens: {self}")
+        if sum(self.num_accepted_tokens_per_pos) != self.num_accepted_tokens:
+            raise ValueError(f"accepted tokens per position must add up to the accepted tokens: {self}")
+
+
 @dataclass
 class IterationStats:
     # Whole prompts of the requests whose first token came this step: each prompt counts once,
@@ -84,6 +101,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     step_time: float | None = None  # wall time of the whole engine step; None: not measured here
+    spec_decoding: SpecDecodingStats | None = None  # None: the engine does not speculate
 
 
 @dataclass(frozen=True)

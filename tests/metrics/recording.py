@@ -9,9 +9,16 @@ from typing import Any
 
 import ray
 
-from cluster.metrics.stats import BatchProgress, FinishedRequestStats, IterationStats, SchedulerStats
+from cluster.metrics.stats import (
+    BatchProgress,
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 
 MODEL, REPLICA, JOB = "tiny-model", "replica-a", "job-1"
+NUM_SPECULATIVE_TOKENS = 3  # the engine speculates: its spec_decode series exist, one per position
 ENGINE = {"model_name": MODEL, "replica": REPLICA}
 
 SCHEDULER = SchedulerStats(
@@ -38,6 +45,8 @@ def iteration() -> IterationStats:
         inter_token_latencies=[0.02, 0.04, 0.06],
         finished_requests=list(FINISHED),
         step_time=0.05,
+        # 4 rows carried proposals (7 tokens); 5 accepted: 3 drafts' first proposal, 2 drafts' second.
+        spec_decoding=SpecDecodingStats(4, 7, 5, (3, 2, 0)),
     )
 
 
@@ -79,6 +88,12 @@ EXPECTED: tuple[tuple[str, dict[str, str], float], ...] = (
     ("ray_raytp_worker_failures_total", {"rank": "0"}, 0),  # created at 0 by num_ranks=2
     ("ray_raytp_worker_failures_total", {"rank": "1"}, 1),
     ("ray_raytp_engine_healthy", {}, 1),
+    ("ray_raytp_spec_decode_num_drafts_total", {}, 4),
+    ("ray_raytp_spec_decode_num_draft_tokens_total", {}, 7),
+    ("ray_raytp_spec_decode_num_accepted_tokens_total", {}, 5),
+    ("ray_raytp_spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}, 3),
+    ("ray_raytp_spec_decode_num_accepted_tokens_per_pos_total", {"position": "1"}, 2),
+    ("ray_raytp_spec_decode_num_accepted_tokens_per_pos_total", {"position": "2"}, 0),  # created at 0
 )
 EXPECTED_BATCH: tuple[tuple[str, float], ...] = (
     ("ray_raytp_batch_rows_total", 10),
@@ -94,7 +109,7 @@ class Recorder:
     def __init__(self) -> None:
         from cluster.metrics.ray_metrics import BatchMetrics, EngineMetrics, WorkerMetrics
 
-        self.engine = EngineMetrics(MODEL, REPLICA, num_ranks=2)
+        self.engine = EngineMetrics(MODEL, REPLICA, num_ranks=2, num_speculative_tokens=NUM_SPECULATIVE_TOKENS)
         self.worker = WorkerMetrics(MODEL, REPLICA, rank=0)
         self.batch = BatchMetrics(MODEL, JOB)
 

@@ -122,3 +122,34 @@ def test_an_abort_between_steps_is_a_finished_request(engine: LLMEngine) -> None
     (record,) = run.iterations[-1].finished_requests
     assert record.finish_reason == "abort" and record.num_generation_tokens == 2
     assert record.max_tokens_param == 50 and record.n_param == 1
+
+
+def test_spec_decoding_deltas_add_up_to_the_schedulers_counters(model: str) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    config = EngineConfig(
+        model=model, block_size=BLOCK, num_gpu_blocks_override=64, distributed_executor_backend="inprocess",
+        speculative_config=ngram,
+    )  # fmt: skip
+    run = Run(LLMEngine(config))
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    for i in range(3):  # a prompt that repeats itself: prompt lookup proposes from the first step on
+        run.add(f"loop{i}", [11 + i, 12, 13, 14] * 6, greedy)
+    run.until_done()
+    specs = [it.spec_decoding for it in run.iterations]
+    assert all(s is not None and len(s.num_accepted_tokens_per_pos) == 3 for s in specs)
+    sched = run.engine.scheduler
+    assert sum(s.num_drafts for s in specs if s) == sched.spec_num_drafts > 0
+    assert sum(s.num_draft_tokens for s in specs if s) == sched.spec_num_draft_tokens
+    assert sum(s.num_accepted_tokens for s in specs if s) == sched.spec_num_accepted_tokens
+    per_pos = [sum(s.num_accepted_tokens_per_pos[i] for s in specs if s) for i in range(3)]
+    assert per_pos == sched.spec_accepted_per_pos and per_pos[0] > 0  # this tiny model accepts some
+    # Every token the requests received is an accepted proposal or the target's own one per row and step.
+    generated = sum(it.num_generation_tokens for it in run.iterations)
+    assert generated == 3 * 24 and sched.spec_num_accepted_tokens < generated
+
+
+def test_no_spec_decoding_stats_without_speculation(engine: LLMEngine) -> None:
+    run = Run(engine)
+    run.add("plain", _prompt(4), SamplingParams(max_tokens=4, ignore_eos=True))
+    run.until_done()
+    assert run.iterations and all(it.spec_decoding is None for it in run.iterations)

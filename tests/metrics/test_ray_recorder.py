@@ -132,3 +132,14 @@ def test_gauges_outlive_rays_gauge_ttl_and_age_out_after_close(ray_metrics_port:
     series = _series(_node_page(ray_metrics_port))
     assert _value(series, "ray_raytp_prompt_tokens_total", ENGINE) == 30, "counters stay after close()"
     assert _value(series, "ray_raytp_batch_rows_done", {"batch_job": JOB}) is None
+
+
+def test_the_recorder_refuses_draft_positions_beyond_its_k() -> None:
+    from cluster.metrics.ray_metrics import EngineMetrics
+    from cluster.metrics.stats import IterationStats, SpecDecodingStats
+
+    # The positions must be the engine's k: a record with others is refused whole, before anything is recorded.
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        EngineMetrics(MODEL, "plain").record_iteration_stats(
+            IterationStats(spec_decoding=SpecDecodingStats(1, 1, 1, (1,)))
+        )

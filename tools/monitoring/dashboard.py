@@ -9,7 +9,7 @@ Panels follow vLLM's example dashboard (E2E latency, TTFT, ITL as p50/p90/p95/p9
 throughput; scheduler state; KV cache usage; queue / prefill / decode time; prompt and generation
 length heatmaps; finish reasons; preemptions; prefix-cache hit rate), then Ray Serve's HTTP
 traffic and what only raytp shows (per-replica and per-rank step time, worker failures, engine
-health, batch job progress).
+health, batch job progress), and speculative decoding's acceptance (vLLM's spec_decode counters).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from cluster.metrics.registry import MetricDef, metric
 PanelKind = Literal["timeseries", "heatmap"]
 # Which workload fills a panel: "engine" any served request, "serve" HTTP traffic through Ray
 # Serve (errors need a failed request), "worker" the Ray executor's TP workers, "batch" a running
-# batch job. The live test picks the panels its workload can fill.
-Source = Literal["engine", "serve", "worker", "batch"]
+# batch job, "spec" an engine with a speculative_config. The live test picks the panels its workload can fill.
+Source = Literal["engine", "serve", "worker", "batch", "spec"]
 
 RATE = "$__rate_interval"
 ENGINE_SELECTOR = 'model_name=~"$model_name", replica=~"$replica"'
@@ -294,6 +294,38 @@ def _replicas_row() -> Row:
     )
 
 
+def _spec_row() -> Row:
+    drafts, drafted, accepted, per_pos = (
+        metric(f"spec_decode_{n}")
+        for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+    )
+    # A position's rate is over all drafts (a draft shorter than k has not accepted the positions it lacks).
+    by_position = f"{_rate(per_pos, 'position')} / ignoring(position) group_left {_rate(drafts)}"
+    return Row(
+        "Speculative decoding",
+        (
+            Panel(
+                "Speculative decoding: acceptance rate",
+                "Share of proposed tokens the target model accepted; per position: drafts whose proposal there "
+                "was accepted.",
+                "percentunit",
+                (
+                    Target(f"{_rate(accepted)} / {_rate(drafted)}", "acceptance rate"),
+                    Target(by_position, "position {{position}}"),
+                ),
+                "spec",
+            ),
+            Panel(
+                "Speculative decoding: mean acceptance length",
+                "Tokens one speculative row yields per step: its accepted proposals plus the target's own token.",
+                "short",
+                (Target(f"1 + {_rate(accepted)} / {_rate(drafts)}", "mean acceptance length"),),
+                "spec",
+            ),
+        ),
+    )
+
+
 def _batch_row() -> Row:
     total, done, failed = (metric(n) for n in ("batch_rows_total", "batch_rows_done", "batch_rows_failed"))
     return Row(
@@ -328,6 +360,7 @@ ROWS: tuple[Row, ...] = (
     _phases_row(),
     _requests_row(),
     _replicas_row(),
+    _spec_row(),
     _batch_row(),
 )
 PANELS: tuple[Panel, ...] = tuple(p for row in ROWS for p in row.panels)
