@@ -49,6 +49,14 @@ ENGINE = {
     "num_gpu_blocks_override": 12,  # 192 tokens: four 60-token requests at once must preempt
     "swap_space": 0.05,
     "max_num_seqs": 8,
+    # n-gram speculation leaves every output as it is without it (tests/cluster/test_speculative_engine.py), so
+    # the assertions below hold as they would without it, and its series and panels have data.
+    "speculative_config": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    },
 }
 # Longer than two KV blocks and sent several times: the prefix cache hits.
 PROMPT = (
@@ -187,6 +195,15 @@ def test_counters_agree_with_what_the_clients_received(live: Live) -> None:
     ranks = prom.query("sum by (rank) (ray_raytp_worker_step_time_seconds_count)")
     assert [s["metric"]["rank"] for s in ranks] == ["0"]
     assert _value(prom, "min(ray_raytp_engine_healthy)") == 1.0
+    # Speculation proposed and the target accepted some; every accepted token is counted at its position.
+    drafts, drafted, accepted = (
+        _value(prom, f"sum(ray_raytp_spec_decode_num_{n}_total)") for n in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+    assert drafts is not None and drafted is not None and accepted is not None
+    assert 0 < drafts <= drafted <= 3 * drafts and 0 < accepted <= drafted
+    per_pos = prom.query("sum by (position) (ray_raytp_spec_decode_num_accepted_tokens_per_pos_total)")
+    assert sorted(s["metric"]["position"] for s in per_pos) == ["0", "1", "2"]
+    assert sum(float(s["value"][1]) for s in per_pos) == accepted
     labels = prom.query("count by (model_name) (ray_raytp_generation_tokens_total)")
     assert [s["metric"]["model_name"] for s in labels] == [SERVED_NAME]
 
