@@ -21,11 +21,12 @@ from tests.cluster.test_async_step import BASE, check_no_leaks, fields, token_pr
 from tests.helpers.tiny_models import make_tiny_llama
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+def make_loopy_llama(root: Path) -> str:
+    """The tiny Llama with its attention output scaled down (x0.02): greedy text falls into loops that prompt
+    lookup predicts, so proposals are accepted, while every token still reads the KV cache."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_llama(tmp_path_factory.mktemp("spec"))
+    path = make_tiny_llama(root)
     weights_file = Path(path) / "model.safetensors"
     weights = load_file(weights_file)
     for name in weights:
@@ -33,6 +34,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
             weights[name] = weights[name] * 0.02
     save_file(weights, weights_file, metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_loopy_llama(tmp_path_factory.mktemp("spec"))
+
 
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
