@@ -55,9 +55,7 @@ def build_step(
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, *q_lens]).cumsum(0).to(device, torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        ),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
@@ -135,18 +133,14 @@ CASES: dict[str, list[tuple[int, int]]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=5, help="calls per timing round (best of 5 rounds)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    parser.add_argument(
-        "--compare-prefill", action="store_true", help="also time the padded-prefill alternative"
-    )
+    parser.add_argument("--compare-prefill", action="store_true", help="also time the padded-prefill alternative")
     parser.add_argument("--sliding-window", type=int, default=None, help="the layer's sliding window (tokens)")
     parser.add_argument("--soft-cap", type=float, default=None, help="the layer's attention logit soft-cap")
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this")

@@ -32,9 +32,7 @@ def make_meta(rows: int, params: SamplingParams) -> SamplingMetadata:
     )
 
 
-def time_ms(
-    sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, iters: int
-) -> tuple[float, float]:
+def time_ms(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, iters: int) -> tuple[float, float]:
     """(min, median) ms per call; the minimum is the figure to compare on a shared machine."""
     sampler(logits, meta)  # warm-up
     times = []
@@ -48,9 +46,7 @@ def time_ms(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--iters", type=int, default=10)
@@ -72,9 +68,7 @@ def main() -> None:
         top_p = make_meta(rows, SamplingParams(temperature=0.8, top_p=0.9, seed=1))
         for name, logits in shapes.items():
             best, median = time_ms(sampler, logits, top_p, args.iters)
-            print(
-                f"B={rows:4d}  (b) seeded temperature+top_p, {name:6s}  {best:8.2f} ms  (median {median:.2f})"
-            )
+            print(f"B={rows:4d}  (b) seeded temperature+top_p, {name:6s}  {best:8.2f} ms  (median {median:.2f})")
 
 
 if __name__ == "__main__":

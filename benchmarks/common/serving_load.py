@@ -133,6 +133,9 @@ def summarize(results: list[Result], duration: float, rate: float) -> dict[str, 
         "ttft": [r.ttft for r in ok],
         "itl": [x for r in ok for x in r.itl],
         "e2e_latency": [r.latency for r in ok],
+        # time per output token after the first (vLLM's TPOT): unlike ITL, it does not depend on how many
+        # tokens one streamed chunk carries (speculative decoding sends several at once)
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
     }
     for name, xs in series.items():
         summary[f"{name}_mean_ms"] = 1000 * statistics.fmean(xs) if xs else float("nan")

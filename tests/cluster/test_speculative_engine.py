@@ -188,3 +188,32 @@ def test_lora_rows_are_verified_with_their_adapter(model: str, tmp_path: Path) -
     base.llm_engine.shutdown()
     assert plain[0][2][0][1] != without, "the adapter does not change the output: the test would prove nothing"
     assert llm is not None and accepted(llm) > 0
+
+
+def test_the_default_model_copies_code_text_and_chat_identically_and_accepts_most_proposals() -> None:
+    """SmolLM2-135M-Instruct (the embedded default), greedy: a code copy, a quoted passage and a chat turn
+    come out token for token as without speculation, and the input-grounded ones accept most proposals."""
+    code = Path(__file__).with_name("test_async_step.py").read_text()[:900]
+    passage = (
+        "The mitochondrion is an organelle found in the cells of most eukaryotes. It uses aerobic respiration "
+        "to generate adenosine triphosphate, which is used throughout the cell as a source of chemical energy."
+    )
+    prompts = [
+        f"Copy this Python code exactly.\n\n{code}\n\nThe copy:\n",
+        f"Passage: {passage}\nQuote the passage's first sentence word for word: \"",
+    ]
+    chat = [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    results, rates = [], []
+    for spec in (
+        None,
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    ):
+        llm = LLM(max_model_len=1024, speculative_config=spec)
+        outs = llm.generate(prompts, params, use_tqdm=False) + llm.chat(chat, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
+        sched = llm.llm_engine.scheduler
+        rates.append(sched.spec_num_accepted_tokens / max(1, sched.spec_num_draft_tokens))
+        llm.llm_engine.shutdown()
+    assert results[1] == results[0]
+    assert rates[1] > 0.5, rates
