@@ -61,7 +61,9 @@ def sample_rows(
     if masked:
         assert all(not virtual[v][0].drafts for v in masked), "rows under a grammar never carry proposals"
         meta.grammar_rows = masked
-        meta.grammar_bitmask = torch.from_numpy(np.stack([virtual[v][0].grammar_mask for v in masked]))
+        meta.grammar_bitmask = torch.from_numpy(
+            np.stack([m for v in masked if (m := virtual[v][0].grammar_mask) is not None])
+        )
     drawn = sampler(logits, meta)
     if len(virtual) == len(rows):
         return drawn

@@ -81,6 +81,7 @@ class SpeculativeConfig:
             lo = hi
         elif hi is None:
             hi = lo
+        assert lo is not None and hi is not None  # for mypy: each was given or set from the other above
         return cls(method=str(method), num_speculative_tokens=k, prompt_lookup_max=int(hi), prompt_lookup_min=int(lo))
 
 

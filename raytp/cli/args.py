@@ -16,6 +16,17 @@ from cluster.config import EngineConfig
 _SHORT = {"tensor_parallel_size": "-tp"}  # vLLM's short forms
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A dict-typed flag's value: a JSON object, else argparse's usage error (exit 2) saying what is wrong."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}: {text!r}")
+    return value
+
+
 def _scalar_type(hint: Any) -> Any:
     """int for `int | None`, str for a Literal of strings, JSON for a dict, the hint itself otherwise."""
     origin = get_origin(hint)
@@ -25,7 +36,7 @@ def _scalar_type(hint: Any) -> Any:
     if origin is typing.Literal:
         return str
     if origin is dict or hint is dict:
-        return json.loads
+        return _json_object
     return hint
 
 

@@ -17,15 +17,18 @@ from typing import Any
 import pytest
 
 from raytp import LLM, SamplingParams, StructuredOutputsParams
+from request.lora import LoRARequest
 from tests.cluster.test_async_step import BASE, check_no_leaks, fields, token_prompts
+from tests.helpers.lora_models import make_peft_adapter
 from tests.helpers.tiny_models import make_tiny_llama
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+def make_loopy_llama(root: Path) -> str:
+    """The tiny Llama with its attention output scaled down (x0.02): greedy text falls into loops that prompt
+    lookup predicts, so proposals are accepted, while every token still reads the KV cache."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_llama(tmp_path_factory.mktemp("spec"))
+    path = make_tiny_llama(root)
     weights_file = Path(path) / "model.safetensors"
     weights = load_file(weights_file)
     for name in weights:
@@ -33,6 +36,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
             weights[name] = weights[name] * 0.02
     save_file(weights, weights_file, metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_loopy_llama(tmp_path_factory.mktemp("spec"))
 
 
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -153,6 +161,33 @@ def test_a_bad_or_unsupported_config_is_refused_at_start(model: str) -> None:
         LLM(model, **BASE, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(model, **BASE, speculative_config=NGRAM, async_scheduling=True)
+
+
+def test_lora_rows_are_verified_with_their_adapter(model: str, tmp_path: Path) -> None:
+    """Rows with an adapter and rows without share each step; a verifying row runs the target with its own
+    adapter, so every row's output is the plain engine's (and the adapter's output is not the base's)."""
+    adapter = LoRARequest("a", 1, make_peft_adapter(model, tmp_path / "a", rank=4, weights_scale=0.5))
+    prompts = token_prompts()
+    loras = [adapter if i % 2 == 0 else None for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        if i % 4 < 2
+        else SamplingParams(temperature=0.8, seed=i, max_tokens=32, logprobs=2, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    results, llm = [], None
+    for spec in (None, NGRAM):
+        llm = LLM(model, **BASE, enable_lora=True, max_lora_rank=8, max_loras=1, speculative_config=spec)
+        results.append(fields(llm.generate(prompts, params, use_tqdm=False, lora_request=loras)))
+        check_no_leaks(llm)
+        llm.llm_engine.shutdown()
+    plain, spec_out = results
+    assert_same(spec_out, plain)
+    base = LLM(model, **BASE)
+    without = base.generate(prompts[0], params[0], use_tqdm=False)[0].outputs[0].token_ids
+    base.llm_engine.shutdown()
+    assert plain[0][2][0][1] != without, "the adapter does not change the output: the test would prove nothing"
+    assert llm is not None and accepted(llm) > 0
 
 
 def test_the_default_model_copies_code_text_and_chat_identically_and_accepts_most_proposals() -> None:

@@ -98,6 +98,22 @@ def test_invalid_values_file_is_refused_naming_each_mistake() -> None:
         ({"engine": {"tensor_parallel_size": 2, "distributed_executor_backend": "inprocess"}}, "/engine"),
         ({"engine": {"block_size": 24}}, "/engine/block_size"),
         ({"engine": {"gpu_memory_utilization": 1.5}}, "/engine/gpu_memory_utilization"),
+        (
+            {"engine": {"speculative_config": {"method": "eagle", "num_speculative_tokens": 2}}},
+            "/engine/speculative_config/method",
+        ),
+        ({"engine": {"speculative_config": {"method": "ngram"}}}, "/engine/speculative_config"),
+        (
+            {
+                "models": [
+                    {
+                        "servedModelName": "x",
+                        "engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}},
+                    }
+                ]
+            },
+            "/models/0/engine/speculative_config/num_speculative_tokens",
+        ),
         ({"serving": {"autoscaling": {"config": {"min_replica": 1}}}}, "/serving/autoscaling/config"),
         ({"rayService": {"upgradeStrategy": {"type": "Rolling"}}}, "/rayService/upgradeStrategy/type"),
         (

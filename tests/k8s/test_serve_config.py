@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -241,3 +242,28 @@ def test_split_ingress_reaches_build_app_with_its_ingress_replicas() -> None:
     deployments = _build(config)["deployments"]
     assert deployments["OpenAIIngress"]["num_replicas"] == 2 and not deployments["OpenAIIngress"]["binds_engine"]
     assert deployments["LLMServer"]["num_replicas"] == 3 and deployments["LLMServer"]["binds_engine"]
+
+
+def test_speculative_config_reaches_build_app_and_the_batch_entrypoint() -> None:
+    """engine.speculative_config (and a model entry's own) is rendered into serveConfigV2's args, which
+    build_app reads into each model's EngineConfig, and into the RayJob's `--speculative-config` JSON."""
+    from raytp.cli.args import engine_config_from_args
+    from raytp.cli.main import build_parser
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    values = {"engine": {"speculative_config": ngram}, "batch": {"enabled": True, "data": {"claimName": "d"}}}
+    objs = render(values)
+    config = serve_config(objs)
+    assert config["applications"][0]["args"]["speculative_config"] == ngram
+    (engine,) = _build(config)["engine_configs"]
+    assert engine["speculative_config"] == ngram
+    words = shlex.split(one(objs, "RayJob")["spec"]["entrypoint"])
+    assert engine_config_from_args(build_parser().parse_args(words[1:])).speculative_config == ngram
+    # A model entry's own value over the shared one; another entry keeps the shared one.
+    own = {**ngram, "num_speculative_tokens": 2}
+    two = {
+        "engine": {"speculative_config": ngram},
+        "models": [{"servedModelName": "a", "engine": {"speculative_config": own}}, {"servedModelName": "b"}],
+    }
+    engines = _build(serve_config(render(two)))["engine_configs"]
+    assert [e["speculative_config"] for e in engines] == [own, ngram]

@@ -16,9 +16,10 @@ from kv import BlockManager
 from request.lora import NO_LORA
 from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
+from scheduler.outputs import ModelRunnerOutput, NewSeqData, SchedulerOutput, SeqSample
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
+from tests.scheduler.delta_worker import DeltaWorker
 
 VOCAB = 1000
 BLOCK = 4
@@ -35,39 +36,20 @@ def reference(prompt: list[int], lora_id: int, max_tokens: int) -> list[int]:
     return toks[len(prompt) :]
 
 
-class LoRAWorker:
+class LoRAWorker(DeltaWorker):
     """Rebuilds each sequence from the step deltas; KV slots hold (token, adapter)."""
 
     def __init__(self, num_blocks: int, max_loras: int) -> None:
+        super().__init__(num_blocks, BLOCK)
         self.max_loras = max_loras
-        self.tokens: dict[int, list[int]] = {}
-        self.tables: dict[int, list[int]] = {}
         self.lora: dict[int, int] = {}
-        self.kv: dict[int, list[tuple[int, int] | None]] = {b: [None] * BLOCK for b in range(num_blocks)}
-        self.cpu_kv: dict[int, list[tuple[int, int] | None]] = {}
         self.loras_per_step: list[set[int]] = []
 
+    def on_new(self, new: NewSeqData) -> None:
+        self.lora[new.seq_id] = new.lora_id
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for seq_id in so.finished_seq_ids:
-            self.tokens.pop(seq_id, None)
-            self.tables.pop(seq_id, None)
-        for dev, cpu in so.blocks_to_swap_out:
-            self.cpu_kv[cpu] = list(self.kv[dev])
-        for cpu, dev in so.blocks_to_swap_in:
-            self.kv[dev] = list(self.cpu_kv[cpu])
-        for src, dst in so.blocks_to_copy:
-            self.kv[dst] = list(self.kv[src])
-        rows = []
-        for new in so.new_seqs:
-            self.tokens[new.seq_id] = list(new.token_ids)
-            self.tables[new.seq_id] = list(new.block_ids)
-            self.lora[new.seq_id] = new.lora_id
-            rows.append((new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens))
-        for c in so.cached_seqs:
-            self.tokens[c.seq_id].extend(c.new_token_ids)
-            del self.tables[c.seq_id][c.num_kept_blocks :]
-            self.tables[c.seq_id].extend(c.new_block_ids)
-            rows.append((c.seq_id, c.num_computed_tokens, c.num_scheduled_tokens))
+        rows = self.apply(so)
         step_loras = {self.lora[seq_id] for seq_id, _, _ in rows} - {NO_LORA}
         assert len(step_loras) <= self.max_loras, f"step ran adapters {step_loras}"
         self.loras_per_step.append(step_loras)

@@ -14,9 +14,10 @@ import pytest
 from kv import BlockManager
 from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
+from scheduler.outputs import ModelRunnerOutput, NewSeqData, SchedulerOutput, SeqSample
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
+from tests.scheduler.delta_worker import DeltaWorker
 
 VOCAB = 1000
 EOS = 0
@@ -26,42 +27,20 @@ def next_token(context: list[int], sample_index: int) -> int:
     return 1 + (hash((tuple(context), sample_index)) % (VOCAB - 1))  # never EOS
 
 
-class FakeWorker:
+class FakeWorker(DeltaWorker):
     """Holds per-seq state from deltas, checks block tables, 'computes' KV slots, samples deterministically."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.tokens: dict[int, list[int]] = {}
-        self.tables: dict[int, list[int]] = {}
+        super().__init__(num_blocks, block_size)
         self.sample_index: dict[int, int] = {}
-        self.kv: dict[int, list[int | None]] = {
-            b: [None] * block_size for b in range(num_blocks)
-        }  # slot -> token
-        self.cpu_kv: dict[int, list[int | None]] = {}
         self.rows_per_step: list[int] = []
         self.tokens_per_step: list[int] = []
 
+    def on_new(self, new: NewSeqData) -> None:
+        self.sample_index[new.seq_id] = new.sample_index
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for seq_id in so.finished_seq_ids:
-            self.tokens.pop(seq_id, None)
-            self.tables.pop(seq_id, None)
-        for dev, cpu in so.blocks_to_swap_out:
-            self.cpu_kv[cpu] = list(self.kv[dev])
-        for cpu, dev in so.blocks_to_swap_in:
-            self.kv[dev] = list(self.cpu_kv[cpu])
-        for src, dst in so.blocks_to_copy:
-            self.kv[dst] = list(self.kv[src])
-        rows = []
-        for new in so.new_seqs:
-            self.tokens[new.seq_id] = list(new.token_ids)
-            self.tables[new.seq_id] = list(new.block_ids)
-            self.sample_index[new.seq_id] = new.sample_index
-            rows.append((new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens))
-        for c in so.cached_seqs:
-            self.tokens[c.seq_id].extend(c.new_token_ids)
-            del self.tables[c.seq_id][c.num_kept_blocks :]
-            self.tables[c.seq_id].extend(c.new_block_ids)
-            rows.append((c.seq_id, c.num_computed_tokens, c.num_scheduled_tokens))
+        rows = self.apply(so)
         self.rows_per_step.append(len(rows))
         self.tokens_per_step.append(sum(n for _, _, n in rows))
         out = ModelRunnerOutput()
@@ -209,9 +188,7 @@ def test_abort_at_any_point_frees_everything(when: int) -> None:
 
 def test_best_of_forks_after_prefill_and_copies_the_shared_partial_block() -> None:
     sched, worker, bm = make(block_size=4)
-    sched.add_request(
-        "a", None, [1, 2, 3, 4, 5, 6], SamplingParams(n=2, best_of=3, max_tokens=4, ignore_eos=True), 7
-    )
+    sched.add_request("a", None, [1, 2, 3, 4, 5, 6], SamplingParams(n=2, best_of=3, max_tokens=4, ignore_eos=True), 7)
     so = sched.schedule()
     assert so.num_samples == {so.new_seqs[0].seq_id: 3}
     sched.update(so, worker.execute(so))

@@ -20,6 +20,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
 from scheduler.scheduler import Scheduler
 from scheduler.speculative import SpeculativeConfig, propose_ngram
+from tests.scheduler.delta_worker import DeltaWorker
 
 VOCAB = 1000
 EOS = 0
@@ -33,34 +34,9 @@ def target(context: list[int]) -> int:
     return 1 + (context[-1] * 7) % 23
 
 
-class VerifyingWorker:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.tokens: dict[int, list[int]] = {}
-        self.tables: dict[int, list[int]] = {}
-        self.kv: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
-        self.cpu_kv: dict[int, list[int | None]] = {}
-
+class VerifyingWorker(DeltaWorker):
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for seq_id in so.finished_seq_ids:
-            self.tokens.pop(seq_id, None)
-            self.tables.pop(seq_id, None)
-        for dev, cpu in so.blocks_to_swap_out:
-            self.cpu_kv[cpu] = list(self.kv[dev])
-        for cpu, dev in so.blocks_to_swap_in:
-            self.kv[dev] = list(self.cpu_kv[cpu])
-        for src, dst in so.blocks_to_copy:
-            self.kv[dst] = list(self.kv[src])
-        rows = []
-        for new in so.new_seqs:
-            self.tokens[new.seq_id] = list(new.token_ids)
-            self.tables[new.seq_id] = list(new.block_ids)
-            rows.append((new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens))
-        for c in so.cached_seqs:
-            self.tokens[c.seq_id].extend(c.new_token_ids)
-            del self.tables[c.seq_id][c.num_kept_blocks :]
-            self.tables[c.seq_id].extend(c.new_block_ids)
-            rows.append((c.seq_id, c.num_computed_tokens, c.num_scheduled_tokens))
+        rows = self.apply(so)
         out = ModelRunnerOutput()
         for seq_id, computed, n in rows:
             drafts = so.spec_token_ids.get(seq_id, [])

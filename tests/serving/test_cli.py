@@ -7,6 +7,7 @@ module once started two more servers (one per signal) to prove the same.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -63,3 +64,53 @@ def test_a_local_serve_splits_the_cores_among_its_ranks(
     monkeypatch.setattr(os, "environ", environ)
     _claim_the_machines_cores(ServeArgs.from_dict(args))
     assert environ.get("RAYTP_CPUS_PER_WORKER") == expected
+
+
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_speculative_config_is_a_flag_of_serve_and_batch() -> None:
+    """`--speculative-config` JSON (vLLM's flag) reaches the engine of `raytp serve` and of `raytp batch`."""
+    from raytp.cli.args import engine_config_from_args
+    from raytp.cli.main import build_parser
+    from raytp.cli.serve import serve_args_of
+    from raytp.serve.args import ServeArgs
+
+    flag = ["--speculative-config", json.dumps(_NGRAM)]
+    serve = build_parser().parse_args(["serve", *flag])
+    engine = ServeArgs.from_dict(serve_args_of(serve)).model.engine
+    assert engine.speculative_config == _NGRAM
+    assert engine.speculative is not None and engine.speculative.num_speculative_tokens == 4
+    batch = build_parser().parse_args(["batch", "-i", "in.jsonl", "-o", "out.jsonl", *flag])
+    assert engine_config_from_args(batch).speculative_config == _NGRAM
+
+
+@pytest.mark.parametrize("command", [["serve"], ["batch", "-i", "in.jsonl", "-o", "out.jsonl"]])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{method: ngram}", "--speculative-config: not valid JSON"),
+        ("4", "--speculative-config: expected a JSON object, got int"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram, got 'eagle'"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be at least 1"),
+        ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}', "a draft model is not supported"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "k": 3}', "unknown key(s) k"),
+    ],
+)
+def test_a_bad_speculative_config_exits_2_naming_it_before_starting_ray(
+    capsys: pytest.CaptureFixture[str], command: list[str], value: str, message: str
+) -> None:
+    import ray
+
+    try:
+        rc = main([*command, "--speculative-config", value])
+    except SystemExit as e:  # argparse's usage error, as for any malformed flag
+        rc = e.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_speculative_config_with_async_scheduling_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--async-scheduling", "--speculative-config", json.dumps(_NGRAM)]) == 2
+    assert "speculative_config needs async_scheduling off" in capsys.readouterr().err
