@@ -60,6 +60,14 @@ atexit.register(_leave_without_teardown)
 # tests scan /proc for processes left behind). Everything else (kernels, model parity in-process or over gloo,
 # the scheduler, docs, static checks) is spread over both workers, so it runs beside the live tests' waits
 # (Ray and server start-ups, health checks), which leave a core idle.
+# Each worker computes on one thread: two processes with two OpenMP threads each on two cores spent their time
+# in OpenMP's spin barriers (a validation run crawled: gomp_team_barrier_wait_end under every torch op). Set
+# before torch loads, so OpenMP and MKL read it; processes a test starts inherit it, and the Ray ranks set
+# their own count (cluster/worker.py). Outside xdist (`-n 0`) nothing changes.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 _LIVE_DIRS = frozenset({"serving", "batch", "k8s", "metrics"})
 _LIVE_FILES = frozenset({"test_wheel.py", "test_proc_mem.py", "test_serving_sustained.py"})
 _LIVE_HINT = re.compile(r"\bray\b|ray_session|ray_helpers|ray_cluster|raytp_serve|serve_cli|EngineController|\"ray\"")
