@@ -46,7 +46,7 @@ def grounded_prompts() -> list[str]:
         f"Copy the following Python code exactly, with no changes and no comments:\n\n{code}",
         f"Rewrite this code with the variable name `seq` renamed to `sequence` everywhere. Output only code.\n\n"
         f"{short_code}",
-        f"Repeat the following passage word for word.\n\n{passage}",
+        f"Here is a passage:\n\n{passage}\n\nRepeat the passage above word for word.",
         f"Here is a document:\n\n{passage}\n\nQuote the sentences of the document that mention imports, exactly.",
     ]
 
