@@ -165,7 +165,7 @@ class EngineConfig:
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ValueError(f"pooler_config must be a dict (JSON object), got {type(self.pooler_config).__name__}.")
         if self.speculative_config is not None:
-            self.speculative  # noqa: B018  (refuses a bad config by name, before anything starts)
+            SpeculativeConfig.from_dict(self.speculative_config)  # a bad config is refused by name, here
             if self.async_scheduling:
                 raise ValueError(
                     "speculative_config needs async_scheduling off: the asynchronous step plans step N+1 before "

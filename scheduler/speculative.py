@@ -24,6 +24,7 @@ SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 _KNOWN_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"})
 # vLLM's defaults when neither lookup bound is given.
 _DEFAULT_LOOKUP = 5
+_NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's older spelling: the method named as the model
 
 
 @dataclass(frozen=True)
@@ -56,33 +57,29 @@ class SpeculativeConfig:
         unknown = sorted(set(raw) - _KNOWN_KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}.")
-        method = raw.get("method")
-        if method == "draft_model" or (method is None and raw.get("model") not in (None, "ngram", "[ngram]")):
+        model = raw.get("model")
+        method = raw.get("method") or ("ngram" if model in _NGRAM_MODELS else None)  # vLLM's older spelling
+        if method == "draft_model" or model not in (None, *_NGRAM_MODELS):
             raise ValueError(
                 "speculative_config: a draft model is not supported yet; raytp speculates with "
                 '{"method": "ngram"} (prompt lookup).'
             )
-        if method is None and raw.get("model") in ("ngram", "[ngram]"):
-            method = "ngram"  # vLLM's older spelling
         if method is None:
             raise ValueError('speculative_config: "method" is required (raytp supports "ngram").')
-        if raw.get("model") not in (None, "ngram", "[ngram]"):
-            raise ValueError(f"speculative_config: method {method!r} takes no model.")
-        k = raw.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool):
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer, got {k!r}.")
-        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
-        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}.")
-        if lo is None and hi is None:
-            lo = hi = _DEFAULT_LOOKUP
-        elif lo is None:
-            lo = hi
-        elif hi is None:
-            hi = lo
-        assert lo is not None and hi is not None  # for mypy: each was given or set from the other above
-        return cls(method=str(method), num_speculative_tokens=k, prompt_lookup_max=int(hi), prompt_lookup_min=int(lo))
+        k = _int(raw, "num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required.")
+        lo, hi = _int(raw, "prompt_lookup_min"), _int(raw, "prompt_lookup_max")
+        lo = lo if lo is not None else hi if hi is not None else _DEFAULT_LOOKUP  # each bound defaults to the other
+        hi = hi if hi is not None else lo
+        return cls(method=str(method), num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+
+
+def _int(raw: Mapping[str, Any], name: str) -> int | None:
+    value = raw.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}.")
+    return value
 
 
 def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:
