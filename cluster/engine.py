@@ -28,8 +28,11 @@ from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
 from cluster.pooling import (
     check_pooling_request,
+    encode_truncated,
     pooling_num_blocks,
     served_pooling_task,
+    truncate_ids,
+    truncation_length,
 )
 from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
@@ -218,7 +221,13 @@ class LLMEngine:
             )
         if lora_request is not None:
             raise RequestError("LoRA adapters are not supported by the pooling runner.", "lora_request")
-        text, token_ids = self._prompt_tokens(prompt)
+        keep = truncation_length(params.truncate_prompt_tokens, self.limits.max_model_len)
+        text_only = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if keep is not None and isinstance(text_only, str):
+            text, token_ids = text_only, encode_truncated(self.tokenizer, text_only, keep)  # the tokenizer cuts text
+        else:
+            text, token_ids = self._prompt_tokens(prompt)
+            token_ids = truncate_ids(token_ids, keep)
         check_pooling_request(token_ids, params, self.limits, self.pooling_task, self.model_config.hidden_size)
         group = self.scheduler.add_request(
             request_id, text, token_ids, SamplingParams(max_tokens=1), 0, arrival_time, pooling_params=params

@@ -84,7 +84,8 @@ def check_pooling_request(
     if len(token_ids) > limits.max_model_len:
         raise PromptTooLongError(
             f"This model's maximum input length is {limits.max_model_len} tokens. However, your input is "
-            f"{len(token_ids)} tokens long.",
+            f"{len(token_ids)} tokens long. Set truncate_prompt_tokens (-1: the model's length) to keep its last "
+            "tokens instead.",
             "input",
         )
     if params.dimensions is not None and params.dimensions > hidden_size:
@@ -94,7 +95,53 @@ def check_pooling_request(
         )
 
 
-def pair_token_ids(tokenizer: Any, first: str, second: str) -> list[int]:
+def pair_token_ids(tokenizer: Any, first: str, second: str, keep: int | None = None) -> list[int]:
     """A cross-encoder's input: the tokenizer's own pair encoding ([CLS] a [SEP] b [SEP] for BERT, <s> a
-    </s></s> b </s> for XLM-R), as CrossEncoder.predict builds it."""
-    return list(tokenizer(first, second)["input_ids"])
+    </s></s> b </s> for XLM-R), as CrossEncoder.predict builds it. `keep` (truncation_length): at most that
+    many tokens, cut as vLLM's tokenizer cuts a pair (longest first, from the left)."""
+    if keep is None:
+        return list(tokenizer(first, second)["input_ids"])
+    return _checked(list(tokenizer(first, second, truncation=True, max_length=keep)["input_ids"]), keep)
+
+
+# --- truncate_prompt_tokens (vLLM's) -------------------------------------------------------------------------
+# Decision: vLLM's semantics. Token-id inputs keep their last `keep` ids; text inputs are cut by the tokenizer,
+# which `load_tokenizer` builds with truncation_side="left" (as vLLM's get_tokenizer does): the special tokens
+# ([CLS] ... [SEP]) stay and the text's first tokens go, so a CLS-pooling encoder still reads its [CLS].
+
+
+def truncation_length(keep: int | None, max_model_len: int) -> int | None:
+    """How many tokens each input keeps (None: no truncation); -1 is the model's length. RequestError when
+    more than the model takes."""
+    if keep is None:
+        return None
+    if keep == -1:
+        return max_model_len
+    if keep > max_model_len:
+        raise RequestError(
+            f"truncate_prompt_tokens ({keep}) is greater than this model's maximum input length "
+            f"({max_model_len}): use -1 for the model's length, or a smaller value.",
+            "truncate_prompt_tokens",
+        )
+    return keep
+
+
+def truncate_ids(token_ids: list[int], keep: int | None) -> list[int]:
+    """A token-id input's last `keep` ids (all of them when `keep` is None or not shorter)."""
+    return token_ids if keep is None or len(token_ids) <= keep else token_ids[-keep:]
+
+
+def encode_truncated(tokenizer: Any, text: str, keep: int, add_special_tokens: bool = True) -> list[int]:
+    """A text input cut to `keep` tokens by the tokenizer (from the left, its special tokens kept)."""
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)
+    return _checked(list(encoded["input_ids"]), keep)
+
+
+def _checked(token_ids: list[int], keep: int) -> list[int]:
+    # The tokenizer returns the input whole when `keep` cannot even hold its special tokens.
+    if len(token_ids) > keep:
+        raise RequestError(
+            f"truncate_prompt_tokens ({keep}) leaves no room for the text besides the tokenizer's special tokens.",
+            "truncate_prompt_tokens",
+        )
+    return token_ids

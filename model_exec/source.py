@@ -186,8 +186,9 @@ def read_model_config(
 
 
 def load_tokenizer(src: ModelSource, trust_remote_code: bool = False) -> Any:
-    """The model's fast tokenizer (transformers' TokenizersBackend over tokenizer.json); torch-free."""
+    """The model's fast tokenizer (transformers' TokenizersBackend over tokenizer.json); torch-free.
+    Truncation (pooling's truncate_prompt_tokens) cuts from the left, keeping an input's end, as vLLM's."""
     del trust_remote_code  # a tokenizer.json is data, never code
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    return TokenizersBackend.from_pretrained(src.metadata_dir)
+    return TokenizersBackend.from_pretrained(src.metadata_dir, truncation_side="left")

@@ -112,17 +112,28 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`.outputs.embedding`), in input order; a pooling model (runner="pooling").
-        `pooling_params`: e.g. `PoolingParams(dimensions=64)` (Matryoshka) or `normalize=False`."""
-        return pooling.embed(self.llm_engine, _as_prompt_list(prompts), pooling_params, self._counter, use_tqdm)
+        `pooling_params`: e.g. `PoolingParams(dimensions=64)` (Matryoshka) or `normalize=False`.
+        `truncate_prompt_tokens` (vLLM's; or the PoolingParams field): keep each input's last that many
+        tokens (-1: the model's length); unset, an input over the model's length is refused."""
+        params = pooling.with_truncation(pooling_params or PoolingParams(task="embed"), truncate_prompt_tokens)
+        return pooling.embed(self.llm_engine, _as_prompt_list(prompts), params, self._counter, use_tqdm)
 
     def score(
-        self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (text_1, text_2) pair (`.outputs.score`): one text_1 against every text_2, or two
-        lists zipped. A cross-encoder scores each pair; an embedding model the cosine of the embeddings."""
-        return pooling.score(self.llm_engine, text_1, text_2, self._counter, use_tqdm)
+        lists zipped. A cross-encoder scores each pair; an embedding model the cosine of the embeddings.
+        `truncate_prompt_tokens`: as `embed`, per pair for a cross-encoder, per text for an embedding model."""
+        return pooling.score(self.llm_engine, text_1, text_2, self._counter, use_tqdm, truncate_prompt_tokens)
 
     def _run(
         self,

@@ -4,12 +4,13 @@ output stream folded into vLLM's output types."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from cluster.engine import LLMEngine, PromptType
-from cluster.pooling import pair_token_ids
+from cluster.pooling import pair_token_ids, truncation_length
 from cluster.pooling_outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -54,10 +55,16 @@ def run_pooling(
     return [(rid, *results[rid]) for rid in rids]
 
 
+def with_truncation(params: PoolingParams, truncate_prompt_tokens: int | None) -> PoolingParams:
+    """`params` with the call's truncate_prompt_tokens (vLLM's keyword), which wins over the params' own."""
+    if truncate_prompt_tokens is None:
+        return params
+    return replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+
+
 def embed(
-    engine: LLMEngine, prompts: list[PromptType], params: PoolingParams | None, ids: Iterator[int], use_tqdm: bool
+    engine: LLMEngine, prompts: list[PromptType], params: PoolingParams, ids: Iterator[int], use_tqdm: bool
 ) -> list[EmbeddingRequestOutput]:
-    params = params or PoolingParams(task="embed")
     return [
         EmbeddingRequestOutput(rid, EmbeddingOutput([float(v) for v in pooled]), token_ids)
         for rid, pooled, token_ids in run_pooling(engine, prompts, params, ids, use_tqdm)
@@ -70,19 +77,23 @@ def score(
     text_2: str | Sequence[str],
     ids: Iterator[int],
     use_tqdm: bool,
+    truncate_prompt_tokens: int | None = None,
 ) -> list[ScoringRequestOutput]:
     """A cross-encoder scores each pair in one forward; an embedding model scores the cosine of the two
     embeddings (vLLM's two ways)."""
     pairs = score_pairs(text_1, text_2)
     if engine.pooling_task == "score":
+        params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+        keep = truncation_length(truncate_prompt_tokens, engine.limits.max_model_len)
         prompts: list[PromptType] = [
-            {"prompt_token_ids": pair_token_ids(engine.tokenizer, a, b)} for a, b in pairs
+            {"prompt_token_ids": pair_token_ids(engine.tokenizer, a, b, keep)} for a, b in pairs
         ]
-        done = run_pooling(engine, prompts, PoolingParams(task="score"), ids, use_tqdm)
+        done = run_pooling(engine, prompts, params, ids, use_tqdm)
         return [ScoringRequestOutput(rid, ScoringOutput(score_of(p)), t) for rid, p, t in done]
     firsts = list(dict.fromkeys(a for a, _ in pairs))
     seconds = [b for _, b in pairs]
-    vectors = embed(engine, [*firsts, *seconds], None, ids, use_tqdm)
+    params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+    vectors = embed(engine, [*firsts, *seconds], params, ids, use_tqdm)
     by_first = dict(zip(firsts, vectors[: len(firsts)], strict=True))
     return [
         ScoringRequestOutput(

@@ -25,6 +25,10 @@ class PoolingParams:
     dimensions: int | None = None
     # None: as the model's files say (sentence-transformers' Normalize module); True/False override it
     normalize: bool | None = None
+    # vLLM's: keep the last `truncate_prompt_tokens` tokens of the input (-1: the last max_model_len); text
+    # inputs are cut by the tokenizer from the left, keeping its special tokens (cluster/pooling.py). None:
+    # an input over the model's length is refused, naming the length.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in POOLING_TASKS:
@@ -34,3 +38,9 @@ class PoolingParams:
                 raise RequestError(f"dimensions must be a positive integer, got {self.dimensions!r}.", "dimensions")
             if self.task != "embed":
                 raise RequestError("dimensions applies to embeddings only.", "dimensions")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1):
+            raise RequestError(
+                f"truncate_prompt_tokens must be -1 (the model's length) or a positive integer, got {keep!r}.",
+                "truncate_prompt_tokens",
+            )

@@ -175,10 +175,12 @@ async def tokenized_prompts(
     prompt: str | list[str] | list[int] | list[list[int]],
     add_special_tokens: bool,
     param: str = "prompt",
+    keep: int | None = None,
 ) -> list[tuple[str | None, list[int]]]:
-    """(text if given as text, token ids) per prompt; `param` names the field in errors (embeddings: input)."""
+    """(text if given as text, token ids) per prompt; `param` names the field in errors (embeddings: input).
+    `keep`: texts are tokenized to at most that many tokens (ServingContext.encode); token ids are as given."""
     if isinstance(prompt, str):
-        return [(prompt, await ctx.encode(prompt, add_special_tokens, param))]
+        return [(prompt, await ctx.encode(prompt, add_special_tokens, param, keep))]
     if not prompt:
         raise bad_request(f"{param} must not be empty.", param)
     if all(isinstance(p, int) for p in prompt):
@@ -186,7 +188,7 @@ async def tokenized_prompts(
     out: list[tuple[str | None, list[int]]] = []
     for p in prompt:
         if isinstance(p, str):
-            out.append((p, await ctx.encode(p, add_special_tokens, param)))
+            out.append((p, await ctx.encode(p, add_special_tokens, param, keep)))
         else:
             assert isinstance(p, list)
             out.append((None, list(p)))

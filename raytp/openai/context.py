@@ -25,7 +25,7 @@ import jinja2.meta
 import jinja2.sandbox
 from jinja2.exceptions import TemplateError
 
-from cluster.pooling import pair_token_ids
+from cluster.pooling import encode_truncated, pair_token_ids
 from raytp.chat_template import ChatTemplateError, render_chat, template_message
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.engine_client import EngineClient
@@ -107,15 +107,22 @@ class ServingContext:
                 param,
             )
 
-    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt", keep: int | None = None
+    ) -> list[int]:
+        """`keep` (pooling's truncate_prompt_tokens, resolved): at most that many tokens, the text cut from the
+        left; a text of any length may ask for that (the body limit bounds the tokenizer's work)."""
+        if keep is not None:
+            return await self._off_loop(encode_truncated, self.tokenizer, text, keep, add_special_tokens)
         self._check_chars(len(text), param)
         ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
 
-    async def tokenize_pair(self, first: str, second: str) -> list[int]:
+    async def tokenize_pair(self, first: str, second: str, keep: int | None = None) -> list[int]:
         """A cross-encoder's (query, document) input, as its tokenizer pairs them (cluster/pooling.py)."""
-        self._check_chars(len(first) + len(second), "text_2")
-        return await self._off_loop(pair_token_ids, self.tokenizer, first, second)
+        if keep is None:
+            self._check_chars(len(first) + len(second), "text_2")
+        return await self._off_loop(pair_token_ids, self.tokenizer, first, second, keep)
 
     async def decode(self, ids: list[int]) -> str:
         return str(await self._off_loop(self.tokenizer.decode, ids))

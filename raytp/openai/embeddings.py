@@ -2,7 +2,7 @@
 
 Each input (a string, token ids, or a list of either) is one engine request with `PoolingParams`; the
 engine refuses a model that does not embed (a generation model, a cross-encoder) with a 400 naming why,
-and a too-long input with a 400 naming `input`.
+and a too-long input with a 400 naming `input`, unless `truncate_prompt_tokens` asks to keep its end.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.pooling import truncate_ids, truncation_length
 from raytp.openai.completions import tokenized_prompts
 from raytp.openai.context import ServingContext
 from raytp.openai.models import ServedModels
@@ -34,8 +35,13 @@ class EmbeddingHandler:
 
     async def create(self, req: EmbeddingRequest, request_id: str) -> EmbeddingResponse:
         ctx = self.models.resolve(req.model)
-        inputs = [ids for _, ids in await tokenized_prompts(ctx, req.input, req.add_special_tokens, "input")]
-        params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize)
+        params = PoolingParams(
+            task="embed", dimensions=req.dimensions, normalize=req.normalize,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )  # fmt: skip
+        keep = truncation_length(params.truncate_prompt_tokens, ctx.max_model_len)
+        prompts = await tokenized_prompts(ctx, req.input, req.add_special_tokens, "input", keep)
+        inputs = [truncate_ids(ids, keep) for _, ids in prompts]  # token-id inputs keep their last ids
         pooled = await run_pooling(ctx, request_id, inputs, params)
         fmt = req.encoding_format
         data = [EmbeddingData(index=i, embedding=encode_embedding(v, fmt)) for i, v in enumerate(pooled)]

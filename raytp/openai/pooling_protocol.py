@@ -20,6 +20,8 @@ EmbeddingInput = (
     | Annotated[list[list[TokenId]], Field(max_length=MAX_INPUTS)]
 )
 Texts = str | Annotated[list[str], Field(max_length=MAX_INPUTS)]
+# vLLM's: keep each input's last that many tokens (-1: the model's length); None: a longer input is a 400
+TruncatePromptTokens = Annotated[int, Field(ge=-1)] | None
 
 
 class EmbeddingRequest(OpenAIRequest):
@@ -31,6 +33,7 @@ class EmbeddingRequest(OpenAIRequest):
     # vLLM's extensions
     normalize: bool | None = None  # None: as the model's files say (sentence-transformers' Normalize)
     add_special_tokens: bool = True
+    truncate_prompt_tokens: TruncatePromptTokens = None
 
 
 class PoolingUsage(OpenAIModel):
@@ -58,6 +61,7 @@ class ScoreRequest(OpenAIRequest):
     text_1: Texts  # one query against every text_2, or as many as text_2 (zipped)
     text_2: Texts
     user: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None  # per pair (a cross-encoder) or per text (cosine)
 
 
 class ScoreData(OpenAIModel):
@@ -82,6 +86,7 @@ class RerankRequest(OpenAIRequest):
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
     user: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None  # per (query, document) pair, or per text
 
 
 class RerankDocument(OpenAIModel):

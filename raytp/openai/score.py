@@ -28,7 +28,8 @@ class ScoreHandler:
 
     async def create(self, req: ScoreRequest, request_id: str) -> ScoreResponse:
         ctx = self.models.resolve(req.model)
-        scores, num_tokens = await score_pairs(ctx, request_id, pair_up(req.text_1, req.text_2))
+        pairs = pair_up(req.text_1, req.text_2)
+        scores, num_tokens = await score_pairs(ctx, request_id, pairs, req.truncate_prompt_tokens)
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         usage = PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
         return ScoreResponse(id=request_id, model=ctx.model_name, data=data, usage=usage)
@@ -40,7 +41,8 @@ class RerankHandler:
 
     async def create(self, req: RerankRequest, request_id: str) -> RerankResponse:
         ctx = self.models.resolve(req.model)
-        scores, num_tokens = await score_pairs(ctx, request_id, pair_up(req.query, req.documents))
+        pairs = pair_up(req.query, req.documents)
+        scores, num_tokens = await score_pairs(ctx, request_id, pairs, req.truncate_prompt_tokens)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
             order = order[: req.top_n]

@@ -32,9 +32,10 @@ def save_wordpiece_tokenizer(path: Path, token_types: bool = True) -> Any:
     from transformers import BertTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
     names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
-    tok = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True, model_input_names=names)
+    # the vocabulary as a dict: transformers 5 ignores `vocab_file=` here (every word became [UNK])
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    tok = BertTokenizerFast(vocab=vocab, do_lower_case=True, model_input_names=names)
     tok.save_pretrained(str(path))
     return tok
 

@@ -99,7 +99,8 @@ def test_embeddings_float_and_base64(dirs: dict[str, str]) -> None:
     assert [len(d["embedding"]) for d in by_ids["data"]] == [8, 8]
     for body, param, reason in [
         ({"input": []}, "input", "must not be empty"),
-        ({"input": "cat " * 200}, "input", "maximum context length"),  # refused before tokenizing
+        ({"input": "cat " * 1000}, "input", "maximum context length"),  # refused before tokenizing
+        ({"input": "cat " * 200}, "input", "maximum input length is 128 tokens"),
         ({"input": [[5] * 200]}, "input", "maximum input length"),
         ({"input": "hi", "dimensions": 65}, "dimensions", "embedding size"),
         ({"input": [[1, 2, 10**6]]}, "input", "vocabulary size"),
@@ -130,3 +131,42 @@ def test_score_and_rerank(dirs: dict[str, str]) -> None:
     assert err["status"] == 400 and "cannot serve task 'embed'" in err["message"]
     err = _call(ctx, "/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]})
     assert (err["status"], err["param"]) == (400, "text_2")
+
+
+def test_truncate_prompt_tokens(dirs: dict[str, str]) -> None:
+    """vLLM's field on all three routes: texts cut by the tokenizer from the left (special tokens kept),
+    token ids keep their last ids, -1 the model's length (128); the references truncate the same way."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    long_text = "the cat sat on the mat. " * 40  # 280 tokens
+    ctx = _context(dirs["embed"], "embed")
+    st = SentenceTransformer(dirs["embed"], device="cpu")
+    st.max_seq_length, st.tokenizer.truncation_side = 16, "left"
+    cut = _call(ctx, "/v1/embeddings", {"input": [long_text, "paris"], "truncate_prompt_tokens": 16})
+    ours = np.array([d["embedding"] for d in cut["data"]])
+    np.testing.assert_allclose((ours * st.encode([long_text, "paris"], normalize_embeddings=True)).sum(1), 1, atol=1e-4)
+    assert cut["usage"]["prompt_tokens"] == 16 + 3
+    whole = _call(ctx, "/v1/embeddings", {"input": "cat " * 1000, "truncate_prompt_tokens": -1})  # no char guard
+    assert whole["usage"]["prompt_tokens"] == 128, whole
+    token_ids = [5 + i % 80 for i in range(200)]
+    ids = _call(ctx, "/v1/embeddings", {"input": [token_ids], "truncate_prompt_tokens": 10})
+    by_tail = _call(ctx, "/v1/embeddings", {"input": [token_ids[-10:]]})
+    assert ids["data"][0]["embedding"] == by_tail["data"][0]["embedding"] and ids["usage"]["prompt_tokens"] == 10
+    for value, reason in [(129, "greater than this model's maximum input length (128)"), (0, "must be -1")]:
+        err = _call(ctx, "/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": value})
+        assert (err["status"], err["param"]) == (400, "truncate_prompt_tokens") and reason in err["message"], err
+    err = _call(ctx, "/v1/score", {"text_1": long_text, "text_2": "paris", "truncate_prompt_tokens": 200})
+    assert (err["status"], err["param"]) == (400, "truncate_prompt_tokens"), err
+
+    ctx = _context(dirs["rerank"], "rerank")
+    query, docs = "what is the capital of france?", [long_text, "paris", "berlin"]
+    ce = CrossEncoder(dirs["rerank"], device="cpu", max_length=20)
+    ce.tokenizer.truncation_side = "left"
+    ref = ce.predict([(query, d) for d in docs])
+    err = _call(ctx, "/v1/rerank", {"query": query, "documents": docs})
+    assert err["status"] == 400 and "maximum context length is 128" in err["message"], err  # before tokenizing
+    rerank = _call(ctx, "/v1/rerank", {"query": query, "documents": docs, "truncate_prompt_tokens": 20})
+    by_index = {r["index"]: r["relevance_score"] for r in rerank["results"]}
+    np.testing.assert_allclose([by_index[i] for i in range(3)], ref, atol=1e-4)
+    score = _call(ctx, "/v1/score", {"text_1": query, "text_2": docs, "truncate_prompt_tokens": 20})
+    np.testing.assert_allclose([d["score"] for d in score["data"]], ref, atol=1e-4)
