@@ -118,6 +118,12 @@ class EngineConfig:
         "runner pooling: override the pooling the model's files say, as JSON (vLLM's names: "
         '{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true})',
     )
+    hf_overrides: dict[str, Any] | None = _opt(
+        None,
+        "fields laid over the model's config.json, as JSON (vLLM's): e.g. a Qwen3-Reranker scored by its yes/no "
+        'logits: {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}',
+    )
     speculative_config: dict[str, Any] | None = _opt(
         None,
         'speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", "num_speculative_tokens": 4, '
@@ -164,6 +170,8 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}.")
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ValueError(f"pooler_config must be a dict (JSON object), got {type(self.pooler_config).__name__}.")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict (JSON object), got {type(self.hf_overrides).__name__}.")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad config is refused by name, here
             if self.async_scheduling:

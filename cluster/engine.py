@@ -64,7 +64,7 @@ def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     `tensor_parallel_size` cannot split its heads or its generation_config.json holds a value SamplingParams
     refuses: the one place those checks run, for the engine and for `raytp serve`'s check before it starts Ray."""
     source = resolve_model(config.model, config.revision)
-    model_config = read_model_config(source, config.trust_remote_code, config.generation_config)
+    model_config = read_model_config(source, config.trust_remote_code, config.generation_config, config.hf_overrides)
     model_config.check_tp(config.tensor_parallel_size)
     sampling_defaults(source, config.generation_config)  # a bad generation_config.json, refused as early
     return source, model_config
@@ -223,6 +223,7 @@ class LLMEngine:
             raise RequestError("LoRA adapters are not supported by the pooling runner.", "lora_request")
         keep = truncation_length(params.truncate_prompt_tokens, self.limits.max_model_len)
         text_only = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        text: str | None
         if keep is not None and isinstance(text_only, str):
             text, token_ids = text_only, encode_truncated(self.tokenizer, text_only, keep)  # the tokenizer cuts text
         else:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from cluster.config import EngineConfig
 from model_exec.config import ModelConfig
-from model_exec.pooling_config import pooling_max_len, pooling_task
+from model_exec.pooling_config import num_labels, pooling_max_len, pooling_task
 from request.check import RequestLimits
 from request.errors import PromptTooLongError, RequestError
 from request.pooling_params import PoolingParams
@@ -38,6 +38,8 @@ def resolve_runner(config: EngineConfig, model_config: ModelConfig) -> Literal["
         )
     if config.pooler_config is not None and runner != "pooling":
         raise ValueError("pooler_config applies to runner='pooling' only.")
+    if task == "score":
+        num_labels(model_config.hf)  # a classifier made from LM head rows (hf_overrides) is checked before any rank
     return runner
 
 

@@ -225,6 +225,13 @@ ARCHITECTURES = {
     "LlamaModel": _base_model("LlamaForCausalLM", "LlamaModel", "embeddings, last token"),
     "Qwen2Model": _base_model("Qwen2ForCausalLM", "Qwen2Model", "embeddings (gte-Qwen2), last token"),
     "Qwen3Model": _base_model("Qwen3ForCausalLM", "Qwen3Model", "embeddings (Qwen3-Embedding), last token"),
+    # a decoder reranker (model_exec/models/decoder_classifier.py): a stored score head, or Qwen3-Reranker's
+    # yes/no LM head rows through vLLM's hf_overrides
+    "Qwen3ForSequenceClassification": replace(
+        _base_model("Qwen3ForCausalLM", "Qwen3ForSequenceClassification",
+                    "scores (Qwen3-Reranker: yes/no logits via hf_overrides, as vLLM), last token"),
+        module="model_exec.models.decoder_classifier", task="score",
+    ),
 }  # fmt: skip
 # model_type -> architecture, for configs that carry no `architectures` (e.g. those parsed from GGUF);
 # generation architectures first: a GGUF `llama` is a LlamaForCausalLM, never a LlamaModel

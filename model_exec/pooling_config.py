@@ -4,8 +4,9 @@ Order of authority, as vLLM: the `pooler_config` the user gives (vLLM's field na
 MEAN / CLS / LAST, `normalize`), over the folder's sentence-transformers files (`modules.json` naming a
 `Pooling` module whose `config.json` says mean, cls or lasttoken, and a `Normalize` module), over the
 architecture's default (`Architecture.default_pooling`: last token for decoders). Cross-encoders
-(task "score") pool the first token into their classification head; the activation on its logits is
-what sentence-transformers' CrossEncoder applies: the one its config names, else sigmoid for one label.
+(task "score") pool the first token (encoders) or the last (decoders) into their classification head; the
+activation on its logits is what sentence-transformers' CrossEncoder applies: the one its config names, else
+sigmoid for one label (vLLM's too).
 
 Decision: modules sentence-transformers would apply that raytp does not implement (Dense, LayerNorm,
 a pooling mode such as max or weightedmean) are refused by name when the engine starts, never skipped:
@@ -74,7 +75,8 @@ def resolve_pooler_config(
         source = "sentence-transformers modules.json"
     activation = "identity"
     if task == "score":
-        pooling_type, normalize = "CLS", False  # the classification head reads the first token
+        # the classification head reads the first token (encoders) or the last (decoder classifiers)
+        pooling_type, normalize = arch.default_pooling, False
         activation = _cross_encoder_activation(hf)
     if override:
         unknown = set(override) - {"pooling_type", "normalize", "activation"}
@@ -139,8 +141,41 @@ def _cross_encoder_activation(hf: Mapping[str, Any]) -> str:
     return "sigmoid" if num_labels(hf) == 1 else "identity"
 
 
+# vLLM's ways to make a decoder's classifier from its LM head rows of `classifier_from_token` (hf_overrides):
+# the two tokens [false, true] as one label W[true] - W[false] (sigmoid of it = softmax over the pair's logits),
+# or each token's row as a label of its own
+CLASSIFIER_METHODS: tuple[str, ...] = ("from_2_way_softmax", "no_post_processing")
+
+
+def classifier_from_tokens(hf: Mapping[str, Any]) -> tuple[list[str], str] | None:
+    """(tokens, method) when the classifier is made from LM head rows (vLLM's `classifier_from_token`, with
+    `method`, or `is_original_qwen3_reranker: true` for from_2_way_softmax); None for a stored head."""
+    tokens = hf.get("classifier_from_token")
+    original_qwen3 = bool(hf.get("is_original_qwen3_reranker"))
+    if tokens is None:
+        if original_qwen3:
+            raise ValueError('is_original_qwen3_reranker needs classifier_from_token: ["no", "yes"]')
+        return None
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    method = "from_2_way_softmax" if original_qwen3 else hf.get("method")
+    if method not in CLASSIFIER_METHODS:
+        raise ValueError(
+            f"classifier_from_token needs method {' or '.join(CLASSIFIER_METHODS)} (or is_original_qwen3_reranker: "
+            f"true), got {method!r}"
+        )
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"from_2_way_softmax takes two tokens [false, true], got {tokens!r}")
+    return tokens, method
+
+
 def num_labels(hf: Mapping[str, Any]) -> int:
-    """A classification head's outputs (HF: id2label's size, else num_labels, else 2)."""
+    """A classification head's outputs (a head from tokens: one per token, one for a 2-way softmax; HF:
+    id2label's size, else num_labels, else 2)."""
+    from_tokens = classifier_from_tokens(hf)
+    if from_tokens is not None:
+        tokens, method = from_tokens
+        return 1 if method == "from_2_way_softmax" else len(tokens)
     id2label = hf.get("id2label")
     if isinstance(id2label, Mapping) and id2label:
         return len(id2label)

@@ -48,6 +48,10 @@ def build_pooling_model(
     model.eval()
     if hasattr(model, "sep_token_id"):  # BERT pairs: token types from the tokenizer's [SEP] (models/bert.py)
         model.sep_token_id = load_tokenizer(source).sep_token_id
+    if hasattr(model, "classifier_token_ids"):  # a decoder reranker's head from LM head rows (decoder_classifier)
+        from model_exec.models.decoder_classifier import classifier_token_ids
+
+        model.classifier_token_ids = classifier_token_ids(config.hf, load_tokenizer(source))  # type: ignore[assignment]
     pooler_config = resolve_pooler_config(source.metadata_dir, config.architecture, config.hf, pooler_override)
     head: ScoreHead | None = model if pooler_config.task == "score" else None  # type: ignore[assignment]
     return model, Pooler(pooler_config, head)  # type: ignore[return-value]  # nn.Module satisfies CausalLM

@@ -167,20 +167,29 @@ def read_hf_config(src: ModelSource) -> dict[str, Any]:
 
 
 def read_model_config(
-    src: ModelSource, trust_remote_code: bool = False, generation_config: str = "auto"
+    src: ModelSource,
+    trust_remote_code: bool = False,
+    generation_config: str = "auto",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> ModelConfig:
     """Our ModelConfig, with EOS ids from generation_config.json merged in (instruct models list several).
 
     `generation_config` names that file as `EngineConfig.generation_config` does (the model's own for `auto`
     and `vllm`, else a folder's). Only architectures raytp implements load, so a config's `auto_map` (remote
     code) is never run; `trust_remote_code` changes nothing here and is accepted for vLLM compatibility.
+    `hf_overrides` (vLLM's): top-level fields laid over config.json before anything reads it, so every rank
+    and the control plane see the same config (the workers get this ModelConfig, never the file).
     """
     del trust_remote_code
     gen = read_generation_config(generation_config_file(src, generation_config))
+    hf = {**read_hf_config(src), **(hf_overrides or {})}
+    archs = hf.get("architectures")
+    if hf_overrides and "architectures" in hf_overrides and (
+        not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs)
+    ):
+        raise ValueError(f"hf_overrides: architectures must be a list of names, got {archs!r}")
     try:
-        return ModelConfig.from_hf_config(
-            SimpleNamespace(**read_hf_config(src)), extra_eos_token_ids=eos_token_ids(gen)
-        )
+        return ModelConfig.from_hf_config(SimpleNamespace(**hf), extra_eos_token_ids=eos_token_ids(gen))
     except AttributeError as e:  # a required field is missing from config.json
         raise ValueError(f"model {src.name!r}: config.json lacks a required field ({e})") from None
 

@@ -17,6 +17,7 @@ from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from raytp.llm import LLM
 from request.errors import RequestError
 from request.lora import LoRAError, LoRARequest
+from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from request.structured_outputs import StructuredOutputsParams
 
@@ -28,6 +29,7 @@ __all__ = [
     "LoRAError",
     "LoRARequest",
     "Logprob",
+    "PoolingParams",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

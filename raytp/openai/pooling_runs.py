@@ -10,7 +10,7 @@ from cluster.pooling_outputs import cosine, score_of
 from raytp.openai.context import ServingContext
 from raytp.openai.errors import bad_request
 from raytp.openai.stream import RequestStream, start_all
-from request.pooling_params import PoolingParams
+from request.pooling_params import PoolingParams, PoolingTask
 
 
 async def _pooled(stream: RequestStream) -> Any:
@@ -42,7 +42,7 @@ async def score_pairs(
     """(score per pair, prompt tokens): a cross-encoder scores each pair in one forward; an embedding
     model scores the cosine of the two texts' embeddings (vLLM's two ways). `truncate_prompt_tokens` cuts
     each pair (a cross-encoder) or each text (an embedding model) to its last that many tokens."""
-    task = "score" if ctx.pooling_task == "score" else "embed"
+    task: PoolingTask = "score" if ctx.pooling_task == "score" else "embed"
     params = PoolingParams(task=task, truncate_prompt_tokens=truncate_prompt_tokens)
     keep = truncation_length(params.truncate_prompt_tokens, ctx.max_model_len)
     if task == "score":

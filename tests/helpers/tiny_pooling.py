@@ -137,3 +137,68 @@ def _drop_chat_template(path: Path) -> None:
     config = json.loads(config_file.read_text())
     config.pop("chat_template", None)
     config_file.write_text(json.dumps(config))
+
+
+# vLLM's hf_overrides that run the original Qwen3-Reranker (a causal LM) as a yes/no scorer
+QWEN3_RERANKER_OVERRIDES = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
+
+
+def _tiny_qwen3_config(**overrides: Any) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{
+        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, **overrides,
+    })  # fmt: skip
+
+
+def save_yes_no_tokenizer(path: Path) -> Any:
+    """The byte-level tokenizer (tests/helpers/tiny_models.py) with merges that make "yes" and "no" single
+    tokens, as Qwen's BPE has them; pairs are plain concatenations (no special tokens), as Qwen's tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())):
+        vocab[ch] = 3 + i
+    merges = [("y", "e"), ("ye", "s"), ("n", "o")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_qwen3_reranker(root: Path, tied: bool = True, seed: int = 0) -> str:
+    """A tiny random Qwen3ForCausalLM as the original Qwen3-Reranker ships (scored by its "yes"/"no" logits
+    under QWEN3_RERANKER_OVERRIDES), with the yes/no tokenizer."""
+    path = Path(make_tiny_model(root / f"qwen3-reranker-{'tied' if tied else 'untied'}",
+                                _tiny_qwen3_config(tie_word_embeddings=tied), seed))  # fmt: skip
+    _drop_chat_template(path)
+    save_yes_no_tokenizer(path)
+    return str(path)
+
+
+def make_qwen3_seq_cls(root: Path, seed: int = 0) -> str:
+    """A tiny random one-label Qwen3ForSequenceClassification (a reranker converted to a stored score head)."""
+    from transformers import Qwen3ForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = Qwen3ForSequenceClassification(_tiny_qwen3_config(num_labels=1)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # RMSNorms near 1 (hidden states of unit scale), the rest wide: scores spread out
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * noise if "norm" in name else 0.15 * noise)
+    path = root / "qwen3-seq-cls"
+    model.save_pretrained(str(path))
+    save_yes_no_tokenizer(path)
+    return str(path)

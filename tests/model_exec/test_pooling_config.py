@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from model_exec.pooling_config import pooling_max_len, resolve_pooler_config
+from model_exec.pooling_config import classifier_from_tokens, num_labels, pooling_max_len, resolve_pooler_config
 
 _TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
 
@@ -77,3 +77,23 @@ def test_pooler_config_override_and_cross_encoder_activation(tmp_path: Path) -> 
 def test_xlm_roberta_length_leaves_room_for_its_position_offset() -> None:
     assert pooling_max_len("XLMRobertaModel", {"pad_token_id": 1}, 514) == 512
     assert pooling_max_len("BertModel", {}, 512) == 512
+
+
+def test_decoder_classifier_heads_from_tokens(tmp_path: Path) -> None:
+    """vLLM's hf_overrides for a decoder reranker: the last token, one sigmoid label for a 2-way softmax, one
+    label per token without post-processing; a stored head's labels as HF counts them."""
+    arch = "Qwen3ForSequenceClassification"
+    qwen3 = {"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    config = resolve_pooler_config(str(tmp_path), arch, qwen3)
+    assert (config.task, config.pooling_type, config.activation) == ("score", "LAST", "sigmoid")
+    assert num_labels(qwen3) == 1 and classifier_from_tokens(qwen3) == (["no", "yes"], "from_2_way_softmax")
+    plain = {"classifier_from_token": ["Yes", "No", "Maybe"], "method": "no_post_processing"}
+    assert num_labels(plain) == 3 and resolve_pooler_config(str(tmp_path), arch, plain).activation == "identity"
+    assert classifier_from_tokens({"num_labels": 1}) is None and num_labels({"num_labels": 1}) == 1
+    for bad, message in [
+        ({"classifier_from_token": "yes", "method": "no_post_processing"}, "list of token strings"),
+        ({"classifier_from_token": ["yes"], "method": "softmax"}, "needs method"),
+        ({"classifier_from_token": ["yes"], "is_original_qwen3_reranker": True}, "takes two tokens"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            num_labels(bad)

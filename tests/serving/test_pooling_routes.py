@@ -53,8 +53,8 @@ class InProcessClient:
         self.engine.abort_request(request_id)
 
 
-def _context(path: str, name: str) -> ServingContext:
-    engine = LLMEngine(EngineConfig(model=path))
+def _context(path: str, name: str, **engine_args: Any) -> ServingContext:
+    engine = LLMEngine(EngineConfig(model=path, **engine_args))
     tok = engine.tokenizer
     return ServingContext(
         InProcessClient(engine), tok, name, engine.max_model_len, engine.model_config.vocab_size,  # type: ignore[arg-type]
@@ -170,3 +170,29 @@ def test_truncate_prompt_tokens(dirs: dict[str, str]) -> None:
     np.testing.assert_allclose([by_index[i] for i in range(3)], ref, atol=1e-4)
     score = _call(ctx, "/v1/score", {"text_1": query, "text_2": docs, "truncate_prompt_tokens": 20})
     np.testing.assert_allclose([d["score"] for d in score["data"]], ref, atol=1e-4)
+
+
+def test_rerank_with_a_qwen3_reranker(tmp_path: Path) -> None:
+    """The original Qwen3-Reranker shape under vLLM's hf_overrides: /v1/rerank orders the documents by HF's
+    softmax([logit_no, logit_yes])[1] at each pair's last token, and /v1/score returns it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers.tiny_pooling import QWEN3_RERANKER_OVERRIDES, make_qwen3_reranker
+
+    path = make_qwen3_reranker(tmp_path)
+    ctx = _context(path, "reranker", hf_overrides=QWEN3_RERANKER_OVERRIDES)
+    query, docs = "<Query>: capital of france?\n", ["<Document>: paris", "<Document>: no idea", "yes yes"]
+    tok, hf = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    with torch.no_grad():
+        last = [hf(torch.tensor([tok(query, d)["input_ids"]])).logits[0, -1] for d in docs]
+    ref = np.array([torch.softmax(logits[[no, yes]], dim=0)[1].item() for logits in last])
+    rerank = _call(ctx, "/v1/rerank", {"query": query, "documents": docs})
+    assert [r["index"] for r in rerank["results"]] == list(np.argsort(-ref, kind="stable"))
+    np.testing.assert_allclose([r["relevance_score"] for r in rerank["results"]], np.sort(ref)[::-1], atol=1e-4)
+    assert rerank["usage"]["prompt_tokens"] == sum(len(tok(query, d)["input_ids"]) for d in docs)
+    score = _call(ctx, "/v1/score", {"text_1": query, "text_2": docs})
+    np.testing.assert_allclose([d["score"] for d in score["data"]], ref, atol=1e-4)
+    err = _call(ctx, "/v1/embeddings", {"input": "hi"})
+    assert err["status"] == 400 and "cannot serve task 'embed'" in err["message"], err
