@@ -14,10 +14,14 @@ each also answers health and model info. Nothing here decodes or decides anythin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 import ray
+from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.engine import EngineDeadError
@@ -75,7 +79,8 @@ class ServeEngineClient:
         params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        stream = self._server.generate.remote(request_id, prompt_token_ids, params, lora_request)
+        with _own_routing_id():
+            stream = self._server.generate.remote(request_id, prompt_token_ids, params, lora_request)
         assert isinstance(stream, DeploymentResponseGenerator)  # a handle with stream=True
         finished = False
         try:
@@ -86,6 +91,25 @@ class ServeEngineClient:
             if not finished:
                 # The server replica turns the cancelled stream into an abort at its controller.
                 stream.cancel()
+
+
+@contextmanager
+def _own_routing_id() -> Iterator[None]:
+    """A fresh Serve internal request id for the handle calls made inside.
+
+    Why: Ray Serve 2.60's request router indexes the requests it is placing by the internal id, which a
+    handle call takes from the HTTP request being served; the several engine requests of one HTTP request
+    (a list of prompts, embedding inputs, rerank documents) then share one, all but one are never matched
+    to their replica, and the router spins on them forever (seen: a two-input /v1/embeddings hung a
+    multi-model app and starved the ingress's health checks). The public request id (logs, X-Request-Id)
+    is left as it is."""
+    current = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    token = serve_context._serve_request_context.set(fresh)  # type: ignore[arg-type]  # Ray types it None
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 class ActorEngineClient:

@@ -109,6 +109,14 @@ def test_each_model_answers_as_its_own_engine(server: LiveServer, expected: dict
     assert {e["model"] for e in events[:-1]} == {name}
 
 
+def test_several_prompts_of_one_request_reach_the_model(server: LiveServer, expected: dict[str, str]) -> None:
+    """One HTTP request's engine requests go through the model's deployment handle together (they once shared
+    Serve's internal request id, and its router spun on them forever: raytp/openai/engine_client.py)."""
+    r = complete(server, "alpha", prompt=[PROMPT, PROMPT, PROMPT])
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [expected["alpha"]] * 3
+
+
 def test_unknown_model_is_a_404_naming_the_served_ones(server: LiveServer) -> None:
     r = complete(server, "gamma")
     assert r.status_code == 404
