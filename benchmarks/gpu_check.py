@@ -1,6 +1,7 @@
-"""One prepared check of raytp's CUDA road on a bare one-GPU machine (issue 29): <= 8 minutes on an H100.
+"""One prepared check of raytp's CUDA road on a bare one-GPU machine (issues 29, 42): <= 8 minutes on an H200.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --out DIR [--budget-s 450]
+    PYTHONPATH=. python benchmarks/gpu_check.py --out DIR [--budget-s 480] [--phases a,b,...] [--no-hf-timing]
+    PYTHONPATH=. python benchmarks/gpu_check.py --out DIR --smoke-cpu   # the phases' code on a CPU, no figures
 
 Needs CUDA torch, Triton and transformers only: no install step, no Ray, no network (raytp's in-process
 executor at TP=1 runs the whole CUDA road below the controller). Phases, in order, each guarded so a
@@ -9,21 +10,31 @@ past it is skipped and says so):
 
 1. env: torch / CUDA / Triton / transformers versions, the device, its HBM bandwidth (nominal by name:
    H100 SXM 3.35 TB/s, H100 PCIe 2.0, H200 4.8; and measured with a device-to-device copy).
-2. tiny: a tiny fp32 Llama (random weights) through raytp with decode CUDA graphs and with
-   enforce_eager, greedy, token for token against HF `generate` on the same GPU.
-3. llama8b: a Llama-3-8B-shaped bf16 model with random weights, built by transformers on the device.
-   HF reference tokens and top-5 logprobs, HF single-stream ms/token (128 in / 256 out) and HF offline
-   throughput (256 prompts of 512 in / 256 out) on the same GPU; then raytp at gpu_memory_utilization
-   0.9: the same greedy prompts compared as vLLM's `check_logprobs_close` does (where the tokens first
-   differ, each must be in the other's top-5; the rest of that sequence is not compared), the same
-   single-stream and offline runs, and the HBM roofline (bytes a decode step must read / bandwidth).
-4. kvfull: the pool filled past capacity (max_num_seqs rows at a long context) without an out-of-memory.
-5. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files) and of
+2. tiny: a tiny fp32 Llama (random weights) through raytp with decode CUDA graphs, with enforce_eager and
+   with async_scheduling, greedy, token for token against HF `generate` on the same GPU.
+3. hf8b: a Llama-3-8B-shaped bf16 model with random weights, built by transformers on the device and saved;
+   HF's references (greedy tokens with top-5 logprobs; the log-softmax over prompt + HF's own greedy
+   continuation, for teacher-forced parity), HF single-stream ms/token (128 in / 256 out) and HF offline
+   throughput (256 prompts of 512 in / 256 out).
+4. sync, async, fp8: raytp at gpu_memory_utilization 0.9 (default settings; async_scheduling; quantization
+   fp8, when this raytp has it), each measured the same way (benchmarks/common/gpu_profile.py):
+   - the first batch after start (64 fresh prompts) and the same again: its seconds and the Triton variants
+     it compiled (a warm start compiles none);
+   - parity: free-running greedy as vLLM's `check_logprobs_close` (where the tokens first differ, each
+     must be in the other's top-5; a bf16 engine fails otherwise), and teacher-forced: raytp's
+     `prompt_logprobs` over HF's continuation at every position (top-1 agreement, max |delta logprob|);
+   - single stream, offline with fresh prompts (no prefix-cache hits), the HBM roofline fractions and the
+     ratio to HF;
+   - decode steps at 1 and 256 rows: wall ms per step, device-busy ms (union of kernels and copies),
+     host gap, kernels per step by kind, non-GEMM kernels per decoder layer, the top kernels by time and
+     the host ops by self CPU time.
+5. kvfull: the pool filled past capacity (max_num_seqs rows at a long context) without an out-of-memory.
+6. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files) and of
    tests/model_exec/test_cuda_graphs.py (graph replay against eager), when pytest is installed.
 
 Writes DIR/gpu_check.log (everything printed, raytp's own log lines included: the attention backend
-chosen, the KV sizing line, the CUDA-graph capture) and DIR/gpu_check.json (the figures), rewritten
-after every phase. Without a CUDA device it stops at the first CUDA call, saying "no CUDA device"
+chosen, the KV sizing line, the CUDA-graph capture, the warm start) and DIR/gpu_check.json (the figures),
+rewritten after every phase. Without a CUDA device it stops at the first CUDA call, saying "no CUDA device"
 (exit status 2).
 """
 

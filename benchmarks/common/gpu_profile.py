@@ -114,6 +114,17 @@ def decode_steps(
     kinds = Counter(kernel_kind(e.name) for e in device_events)
     names = Counter(e.name[:80] for e in device_events if kernel_kind(e.name) in ("other", "attention"))
     non_gemm = kinds["other"] + kinds["attention"]
+    kind_us: Counter[str] = Counter()
+    kernel_us: Counter[str] = Counter()
+    for e in device_events:
+        kind_us[kernel_kind(e.name)] += e.time_range.elapsed_us()
+        kernel_us[e.name[:80]] += e.time_range.elapsed_us()
+    # The host side of the window: the Python-visible ops by self CPU time (what a host gap is made of).
+    host_ops = sorted(
+        (a for a in prof.key_averages() if a.device_type != torch.autograd.DeviceType.CUDA),
+        key=lambda a: a.self_cpu_time_total,
+        reverse=True,
+    )[:12]
     return {
         "rows": rows,
         "context_at_start": prompt_len + warm,
@@ -124,6 +135,9 @@ def decode_steps(
         "kernels_per_step": {k: round(v / steps, 1) for k, v in sorted(kinds.items())},
         "non_gemm_kernels_per_layer": round(non_gemm / steps / num_layers, 2),
         "top_non_gemm_kernels_per_step": {n: round(c / steps, 1) for n, c in names.most_common(12)},
+        "device_us_per_step_by_kind": {k: round(v / steps, 1) for k, v in sorted(kind_us.items())},
+        "top_kernels_us_per_step": {n: round(v / steps, 1) for n, v in kernel_us.most_common(12)},
+        "top_host_ops_self_cpu_us_per_step": {a.key[:80]: round(a.self_cpu_time_total / steps, 1) for a in host_ops},
     }
 
 
