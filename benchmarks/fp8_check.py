@@ -37,7 +37,10 @@ def _greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, logprob
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     return [
-        (list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs or []])
+        (
+            list(o.outputs[0].token_ids),
+            [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs or []],
+        )
         for o in outs
     ]
 
@@ -56,8 +59,15 @@ def _ms_per_token(llm: Any, prompt_len: int, out_tokens: int, vocab: int) -> flo
     return round((times[1] - times[0]) / (out_tokens - 1) * 1e3, 3)
 
 
-def _run(model_dir: str, quantization: str | None, prompts: Sequence[Sequence[int]], max_tokens: int,
-         top: int, single_stream: tuple[int, int] | None, **kwargs: Any) -> tuple[list[Seq], dict[str, Any]]:
+def _run(
+    model_dir: str,
+    quantization: str | None,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    top: int,
+    single_stream: tuple[int, int] | None,
+    **kwargs: Any,
+) -> tuple[list[Seq], dict[str, Any]]:
     llm = _llm(model_dir, dtype="bfloat16", quantization=quantization, **kwargs)
     try:
         shard = llm.llm_engine.executor.worker.shard
@@ -118,7 +128,9 @@ def compare_fp8_with_bf16(
     skip running bf16 again; `llm_kwargs` go to both LLMs (gpu_memory_utilization, max_model_len, ...)."""
     report: dict[str, Any] = {}
     if reference is None:
-        reference, report["bf16"] = _run(model_dir, None, prompts, max_tokens, top_logprobs, single_stream, **llm_kwargs)
+        reference, report["bf16"] = _run(
+            model_dir, None, prompts, max_tokens, top_logprobs, single_stream, **llm_kwargs
+        )
     ours, fp8_info = _run(model_dir, "fp8", prompts, max_tokens, top_logprobs, single_stream, **llm_kwargs)
     report.update(fp8_info)
     report.update(compare(ours, reference))

@@ -175,6 +175,28 @@ def test_compressed_tensors_schemes() -> None:
         checkpoint_fp8(weight_only)
 
 
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_a_layer_not_a_multiple_of_16_stays_in_float(prequantized: bool) -> None:
+    from model_exec.layers.linear import ColumnParallelLinear
+
+    ckpt = checkpoint_fp8({"quant_method": "fp8"}) if prequantized else None
+    with scope(Fp8Config(ckpt)):
+        layer = ColumnParallelLinear(24, 40, bias=False, tp=TPGroup.single(), params_dtype=BF16)
+    w = torch.randn(40, 24, dtype=BF16)
+    if prequantized:
+        q, scale = quantize_per_channel(w)
+        layer.weight_loader(layer.weight, q)
+        layer.weight_scale.weight_loader(layer.weight_scale, scale)  # type: ignore[operator]
+        w = (q.float() * scale).to(BF16)
+    else:
+        layer.weight_loader(layer.weight, w)
+    assert not layer.pack_weights() and not layer.pack_weights()  # twice: the second changes nothing
+    method = layer.quant_method
+    assert isinstance(method, Fp8LinearMethod) and method.weight_t is None
+    x = torch.randn(3, 24, dtype=BF16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w))
+
+
 # ---- models --------------------------------------------------------------------------------------
 
 

@@ -101,6 +101,9 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         self.scale_b: torch.Tensor | None = None  # fp32 [1, N]
         self.input_scale: torch.Tensor | None = None  # fp32 0-d, with a checkpoint's static activation scales
         self.params_dtype: torch.dtype | None = None
+        # a checkpoint's scale parameters (registered on the layer as `weight_scale`, `input_scale`)
+        self.weight_scale: nn.Parameter | None = None
+        self.input_scales: nn.Parameter | None = None  # one per fused part
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
@@ -112,14 +115,14 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
         scale = nn.Parameter(torch.empty(output_size, 1, dtype=torch.float32), requires_grad=False)
         scale.weight_loader = partial(load_weight_scale, layer)  # type: ignore[attr-defined]
-        layer.weight_scale = scale
+        layer.weight_scale = self.weight_scale = scale
         if self.checkpoint.static_input:
             from model_exec.layers.linear import ColumnParallelLinear
 
             parts = len(layer.output_parts()) if isinstance(layer, ColumnParallelLinear) else 1
             inp = nn.Parameter(torch.empty(parts, dtype=torch.float32), requires_grad=False)
             inp.weight_loader = partial(load_input_scale, layer)  # type: ignore[attr-defined]
-            layer.input_scale = inp
+            layer.input_scale = self.input_scales = inp
 
     def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
         if self.checkpoint is not None and (isinstance(rows, GGUFTensor) or rows.dtype != FP8):
@@ -134,20 +137,22 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
             return True
         n, k = layer.weight.shape
         if n % ALIGN or k % ALIGN:
-            logger.info("fp8: a layer of %d x %d per rank (not multiples of %d) runs in %s", n, k, ALIGN,
-                        self.params_dtype)
-            if self.checkpoint is not None:  # dequantize: the float path multiplies params_dtype weights
-                w = layer.weight.data.float() * layer.weight_scale.data
-                layer.weight.data = w.to(self.params_dtype)
-                self.checkpoint = None
+            logger.info(
+                "fp8: a layer of %d x %d per rank (not multiples of %d) runs in %s", n, k, ALIGN, self.params_dtype
+            )
+            if self.weight_scale is not None:  # dequantize: the float path multiplies params_dtype weights
+                w = layer.weight.data.float() * self.weight_scale.data
+                layer.weight.data = w.to(self.params_dtype or torch.get_default_dtype())
+                self.checkpoint, self.weight_scale = None, None
             return super().process_weights_after_loading(layer, panels)
         if self.checkpoint is None:
             q, scale = quantize_per_channel(layer.weight.data)
             release(layer.weight)
         else:
-            q, scale = layer.weight.data, layer.weight_scale.data
-            if self.checkpoint.static_input:
-                self.input_scale = layer.input_scale.data.max()  # vLLM: the fused parts share the largest
+            assert self.weight_scale is not None
+            q, scale = layer.weight.data, self.weight_scale.data
+            if self.input_scales is not None:
+                self.input_scale = self.input_scales.data.max()  # vLLM: the fused parts share the largest
             # the parameter keeps its logical shape in the float dtype (LoRA casts its adapters to it), no memory
             layer.weight.data = torch.empty(1, dtype=self.params_dtype, device=q.device).expand(n, k)
         self.weight_t = q.t()

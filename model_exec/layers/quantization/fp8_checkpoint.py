@@ -70,7 +70,9 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Checkpoint:
     _check_ignored(config.get("ignore"), "ignore")
     groups = list((config.get("config_groups") or {}).values())
     if len(groups) != 1:
-        raise ValueError(f"compressed-tensors checkpoints with {len(groups)} config groups are not supported; supported: 1")
+        raise ValueError(
+            f"compressed-tensors checkpoints with {len(groups)} config groups are not supported; supported: 1"
+        )
     group = groups[0]
     if group.get("format", fmt) != fmt:
         raise ValueError(f"compressed-tensors group format {group.get('format')!r} is not supported")
