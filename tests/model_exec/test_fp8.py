@@ -427,3 +427,34 @@ def test_engine_fp8_greedy_follows_bf16_on_cuda(llama: str) -> None:
     print("fp8 vs bf16:", report)  # the figures: token agreement and logprob differences
     assert report["quantization"] == "fp8"
     assert report["first_token_agreement"] >= 0.75  # tiny random model: fp8 rounding may flip a close argmax
+
+
+def test_the_engine_refuses_fp8_on_the_cpu_at_start(llama: str, tmp_path: Path) -> None:
+    """Through the engine's own road (config -> worker -> ModelShard -> select_quantization): the setting, and a
+    pre-quantized checkpoint's config.json alone, are refused by name on the CPU, never loaded as floats."""
+    from raytp import LLM
+
+    with pytest.raises(ValueError, match="quantization='fp8' cannot run here"):
+        LLM(llama, quantization="fp8", dtype="bfloat16", distributed_executor_backend="inprocess")
+    _write_fp8_checkpoint(llama, tmp_path / "ct", "compressed-tensors", "channel", static=False)
+    with pytest.raises(ValueError, match="quantization='fp8' cannot run here"):
+        LLM(str(tmp_path / "ct"), dtype="bfloat16", distributed_executor_backend="inprocess")
+
+
+@pytest.mark.skipif(not _scaled_mm_runs("cpu"), reason="this torch's CPU build has no rowwise-scaled _scaled_mm")
+def test_the_engine_road_with_fp8_on_the_cpu_build_of_scaled_mm(llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole engine with quantization='fp8' (select, load, pack, the profile and decode steps) and
+    benchmarks/fp8_check's comparison, on the CPU build of `_scaled_mm` with the device check lifted: the
+    CPU road the CUDA one shares everything but the device with."""
+    import benchmarks.fp8_check as check
+    from model_exec.layers.quantization import fp8
+    from raytp import LLM
+
+    monkeypatch.setattr(fp8, "refusal", lambda device, dtype: None)
+    monkeypatch.setattr(check, "_llm", lambda model, **kw: LLM(model, distributed_executor_backend="inprocess", **kw))
+    prompts = [p for p in PREFILL_PROMPTS if len(p) > 1]
+    report = check.compare_fp8_with_bf16(llama, prompts, max_tokens=8, max_model_len=256)
+    print("fp8 vs bf16 (CPU _scaled_mm):", report)
+    assert report["quantization"] == "fp8" and report["bf16"]["quantization"] == "none"
+    assert report["sequences"] == len(prompts) and not report["mismatch"], report
+    assert report["first_token_agreement"] >= 0.75 and report["max_logprob_diff_where_agreeing"] < 0.5, report
