@@ -101,7 +101,9 @@ class ModelShard:
             attn_backend = pick_backend(config.attention_candidates, self.device, config.attention_passed_over)
         else:
             attn_backend = get_attn_backend(config.attention_backend, self.device, dtype, block_size)
-        quant = select_quantization(config.quantization, source.kind, self.device, dtype)
+        quant = select_quantization(
+            config.quantization, source.kind, self.device, dtype, model_config.hf.get("quantization_config")
+        )
         self.quantization = "none" if quant is None else quant.name
         pooler: Pooler | None = None
         with quantization_scope(quant):
