@@ -99,7 +99,8 @@ def test_the_phases_run_on_a_cpu_with_a_small_model(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     phases = json.loads((out / "gpu_check.json").read_text())["phases"]
-    assert [p for p, v in phases.items() if v["status"] == "ok"] == ["tiny", "hf8b", "sync", "async", "kvfull"]
+    assert [p for p, v in phases.items() if v["status"] == "ok"] == ["tiny", "hf8b", "sync", "async", "fp8", "kvfull"]
+    assert phases["fp8"]["parity_teacher_forced"]["positions"] == 252
     for name in ("sync", "async"):
         # an off-by-one position would agree ~1/512 of the time; bf16 near-ties may differ
         assert phases[name]["parity_teacher_forced"]["top1_agreement"] >= 0.9
