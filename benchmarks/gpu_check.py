@@ -29,8 +29,9 @@ past it is skipped and says so):
      host gap, kernels per step by kind, non-GEMM kernels per decoder layer, the top kernels by time and
      the host ops by self CPU time.
 5. kvfull: the pool filled past capacity (max_num_seqs rows at a long context) without an out-of-memory.
-6. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files) and of
-   tests/model_exec/test_cuda_graphs.py (graph replay against eager), when pytest is installed.
+6. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files), of
+   tests/model_exec/test_cuda_graphs.py (graph replay against eager) and of tests/model_exec/test_fp8.py
+   (the FP8 product on the device; a tiny model in fp8 against bf16), when pytest is installed.
 
 Writes DIR/gpu_check.log (everything printed, raytp's own log lines included: the attention backend
 chosen, the KV sizing line, the CUDA-graph capture, the warm start) and DIR/gpu_check.json (the figures),
@@ -525,7 +526,7 @@ def phase_cuda_tests(fig: dict[str, Any], check: Check) -> None:
         str(p.relative_to(ROOT))
         for p in (ROOT / "tests" / "ops").glob("test_*.py")
         if not p.name.startswith(("test_cpu_", "test_fused_"))
-    ) + ["tests/model_exec/test_cuda_graphs.py"]
+    ) + ["tests/model_exec/test_cuda_graphs.py", "tests/model_exec/test_fp8.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
