@@ -338,21 +338,30 @@ def phase_hf8b(fig: dict[str, Any], workdir: Path, check: Check, state: dict[str
         state["hf_tf_logprobs"] = hf(out.sequences).logits.float().log_softmax(dim=-1).cpu()
     del out, steps, top
     if hf_timing:
-        single = random_prompts(1, sizes.single_in, vocab, seed=3)
-        hf_generate(hf, single, 8)  # warm-up
-        t1 = timed(hf_generate, hf, single, 1)
-        tn = timed(hf_generate, hf, single, sizes.single_out)
-        fig["hf_single_stream_ms_per_token"] = round((tn - t1) / (sizes.single_out - 1) * 1e3, 2)
-        n, length, out_len = sizes.offline
+        fig["hf_single_stream_ms_per_token"] = single_stream_ms(hf_generate, hf, sizes, vocab)
         if check.remaining() > 300:
-            secs = timed(hf_generate, hf, random_prompts(n, length, vocab, seed=4), out_len)
-            fig["hf_offline_output_tok_s"] = round(n * out_len / secs, 1)
-            fig["hf_offline_s"] = round(secs, 1)
+            fig["hf_offline_output_tok_s"], fig["hf_offline_s"] = offline_rate(hf_generate, hf, sizes, vocab, 4)
         else:
             fig["hf_offline_output_tok_s"] = f"skipped: {check.remaining():.0f} s left"
         log.info("HF: %s", {k: v for k, v in fig.items() if k.startswith("hf_")})
     del hf
     free_cuda()
+
+
+def single_stream_ms(generate: Callable[..., Any], model: Any, sizes: Sizes, vocab: int) -> float:
+    """ms per output token of one stream past its first token (the prefill), after a warm-up."""
+    single = random_prompts(1, sizes.single_in, vocab, seed=3)
+    generate(model, single, 8)
+    t1 = timed(generate, model, single, 1)
+    tn = timed(generate, model, single, sizes.single_out)
+    return round((tn - t1) / (sizes.single_out - 1) * 1e3, 2)
+
+
+def offline_rate(generate: Callable[..., Any], model: Any, sizes: Sizes, vocab: int, seed: int) -> tuple[float, float]:
+    """(output tokens/s, seconds) of the offline batch on prompts drawn from `seed` (fresh: no cache hits)."""
+    n, length, out_len = sizes.offline
+    secs = timed(generate, model, random_prompts(n, length, vocab, seed=seed), out_len)
+    return round(n * out_len / secs, 1), round(secs, 1)
 
 
 def _close(llm: Any) -> None:
@@ -411,16 +420,11 @@ def phase_raytp8b(
         tf = raytp_prompt_logprobs(llm, state["tf_seqs"])
         fig["parity_teacher_forced"] = teacher_forced(tf, state["hf_tf_logprobs"], state["tf_seqs"], 1)
         log.info("%s parity: %s / %s", label, fig["parity_free_running"], fig["parity_teacher_forced"])
-        single = random_prompts(1, sizes.single_in, vocab, seed=3)
-        raytp_generate(llm, single, 8)  # warm-up
-        t1 = timed(raytp_generate, llm, single, 1)
-        tn = timed(raytp_generate, llm, single, sizes.single_out)
-        fig["single_stream_ms_per_token"] = round((tn - t1) / (sizes.single_out - 1) * 1e3, 2)
-        n, length, out_len = sizes.offline
+        fig["single_stream_ms_per_token"] = single_stream_ms(raytp_generate, llm, sizes, vocab)
         if check.remaining() > 90:
-            secs = timed(raytp_generate, llm, random_prompts(n, length, vocab, seed=20 + len(label)), out_len)
-            fig["offline_output_tok_s"] = round(n * out_len / secs, 1)
-            fig["offline_s"] = round(secs, 1)
+            fig["offline_output_tok_s"], fig["offline_s"] = offline_rate(
+                raytp_generate, llm, sizes, vocab, 20 + len(label)
+            )
         for rows in sizes.profile_rows:
             if check.remaining() < 45:
                 break
