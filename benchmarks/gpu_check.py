@@ -1,6 +1,7 @@
-"""One prepared check of raytp's CUDA road on a bare one-GPU machine (issue 29): <= 8 minutes on an H100.
+"""One prepared check of raytp's CUDA road on a bare one-GPU machine (issues 29, 42): <= 8 minutes on an H200.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --out DIR [--budget-s 450]
+    PYTHONPATH=. python benchmarks/gpu_check.py --out DIR [--budget-s 480] [--phases a,b,...] [--no-hf-timing]
+    PYTHONPATH=. python benchmarks/gpu_check.py --out DIR --smoke-cpu   # the phases' code on a CPU, no figures
 
 Needs CUDA torch, Triton and transformers only: no install step, no Ray, no network (raytp's in-process
 executor at TP=1 runs the whole CUDA road below the controller). Phases, in order, each guarded so a
@@ -9,21 +10,32 @@ past it is skipped and says so):
 
 1. env: torch / CUDA / Triton / transformers versions, the device, its HBM bandwidth (nominal by name:
    H100 SXM 3.35 TB/s, H100 PCIe 2.0, H200 4.8; and measured with a device-to-device copy).
-2. tiny: a tiny fp32 Llama (random weights) through raytp with decode CUDA graphs and with
-   enforce_eager, greedy, token for token against HF `generate` on the same GPU.
-3. llama8b: a Llama-3-8B-shaped bf16 model with random weights, built by transformers on the device.
-   HF reference tokens and top-5 logprobs, HF single-stream ms/token (128 in / 256 out) and HF offline
-   throughput (256 prompts of 512 in / 256 out) on the same GPU; then raytp at gpu_memory_utilization
-   0.9: the same greedy prompts compared as vLLM's `check_logprobs_close` does (where the tokens first
-   differ, each must be in the other's top-5; the rest of that sequence is not compared), the same
-   single-stream and offline runs, and the HBM roofline (bytes a decode step must read / bandwidth).
-4. kvfull: the pool filled past capacity (max_num_seqs rows at a long context) without an out-of-memory.
-5. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files) and of
-   tests/model_exec/test_cuda_graphs.py (graph replay against eager), when pytest is installed.
+2. tiny: a tiny fp32 Llama (random weights) through raytp with decode CUDA graphs, with enforce_eager and
+   with async_scheduling, greedy, token for token against HF `generate` on the same GPU.
+3. hf8b: a Llama-3-8B-shaped bf16 model with random weights, built by transformers on the device and saved;
+   HF's references (greedy tokens with top-5 logprobs; the log-softmax over prompt + HF's own greedy
+   continuation, for teacher-forced parity), HF single-stream ms/token (128 in / 256 out) and HF offline
+   throughput (256 prompts of 512 in / 256 out).
+4. sync, async, fp8: raytp at gpu_memory_utilization 0.9 (default settings; async_scheduling; quantization
+   fp8, when this raytp has it), each measured the same way (benchmarks/common/gpu_profile.py):
+   - the first batch after start (64 fresh prompts) and the same again: its seconds and the Triton variants
+     it compiled (a warm start compiles none);
+   - parity: free-running greedy as vLLM's `check_logprobs_close` (where the tokens first differ, each
+     must be in the other's top-5; a bf16 engine fails otherwise), and teacher-forced: raytp's
+     `prompt_logprobs` over HF's continuation at every position (top-1 agreement, max |delta logprob|);
+   - single stream, offline with fresh prompts (no prefix-cache hits), the HBM roofline fractions and the
+     ratio to HF;
+   - decode steps at 1 and 256 rows: wall ms per step, device-busy ms (union of kernels and copies),
+     host gap, kernels per step by kind, non-GEMM kernels per decoder layer, the top kernels by time and
+     the host ops by self CPU time.
+5. kvfull: the pool filled past capacity (max_num_seqs rows at a long context) without an out-of-memory.
+6. cuda_tests: pytest on the CUDA cases (`-k cuda`) of tests/ops (but the C++ CPU kernels' files), of
+   tests/model_exec/test_cuda_graphs.py (graph replay against eager) and of tests/model_exec/test_fp8.py
+   (the FP8 product on the device; a tiny model in fp8 against bf16), when pytest is installed.
 
 Writes DIR/gpu_check.log (everything printed, raytp's own log lines included: the attention backend
-chosen, the KV sizing line, the CUDA-graph capture) and DIR/gpu_check.json (the figures), rewritten
-after every phase. Without a CUDA device it stops at the first CUDA call, saying "no CUDA device"
+chosen, the KV sizing line, the CUDA-graph capture, the warm start) and DIR/gpu_check.json (the figures),
+rewritten after every phase. Without a CUDA device it stops at the first CUDA call, saying "no CUDA device"
 (exit status 2).
 """
 
@@ -34,7 +46,6 @@ import gc
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -49,6 +60,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
+from benchmarks.common.gpu_profile import compiled_variants, decode_steps, random_prompts, synchronize, teacher_forced
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("gpu_check")
@@ -75,6 +88,12 @@ NOMINAL_BANDWIDTH = (
     ("H100", 3.35e12),  # SXM: "NVIDIA H100 80GB HBM3"
     ("A100", 2.0e12),
 )
+# --smoke-cpu: the same phases on the CPU with this small shape (checks the script, measures nothing)
+SMOKE_SHAPE = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32,
+)  # fmt: skip
+DEVICE = "cuda"
 PARITY_PROMPTS, PARITY_PROMPT_LEN, PARITY_TOKENS, TOP_LOGPROBS = 4, 32, 32, 5
 SINGLE_IN, SINGLE_OUT = 128, 256
 OFFLINE_PROMPTS, OFFLINE_IN, OFFLINE_OUT = 256, 512, 256
@@ -132,15 +151,12 @@ class Check:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, vocab) for _ in range(length - 1)] for _ in range(n)]
-
-
 def raytp_llm(model_dir: str, **kwargs: Any) -> Any:
     from raytp import LLM
 
-    return LLM(model_dir, device="cuda", distributed_executor_backend="inprocess", **kwargs)
+    if DEVICE == "cpu":  # --smoke-cpu: the GPU-only settings do not apply
+        kwargs.pop("gpu_memory_utilization", None)
+    return LLM(model_dir, device=DEVICE, distributed_executor_backend="inprocess", **kwargs)
 
 
 def raytp_generate(llm: Any, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[Any]:
@@ -163,16 +179,17 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new: int, scores: bool
 
 
 def timed(fn: Callable[..., Any], *args: Any) -> float:
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     fn(*args)
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - start
 
 
 def free_cuda() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_logprobs_close(
@@ -219,29 +236,35 @@ def phase_env(fig: dict[str, Any]) -> None:
 
 
 def phase_tiny(fig: dict[str, Any], workdir: Path) -> None:
+    """A tiny fp32 Llama token for token against HF: with CUDA graphs, eager, and the asynchronous step."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.tiny_models import make_tiny_llama
 
     model_dir = make_tiny_llama(workdir / "tiny")
     prompts = random_prompts(6, 12, 259, seed=1) + [[1, 5, 6], [1] + list(range(40, 90))]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     want = [hf_generate(hf, [p], 48)[0, len(p) :].tolist() for p in prompts]
     del hf
     free_cuda()
-    for eager in (False, True):
+    for key, settings in (
+        ("graphs", {}),
+        ("eager", {"enforce_eager": True}),
+        ("async", {"async_scheduling": True}),
+    ):
         # A fixed small pool: sized by memory, a tiny model's pool would be millions of blocks.
-        llm = raytp_llm(model_dir, dtype="float32", num_gpu_blocks_override=4096, enforce_eager=eager)
+        llm = raytp_llm(model_dir, dtype="float32", num_gpu_blocks_override=4096, **settings)
         shard = shard_of(llm)
-        got = [o.token_ids for o in raytp_generate(llm, prompts, 48)]
-        key = "eager" if eager else "graphs"
         fig[f"{key}_attention_backend"] = _backend_name(shard)
         fig[f"{key}_cuda_graphs"] = shard.runner.decode_graphs is not None
+        del shard
+        try:
+            got = [o.token_ids for o in raytp_generate(llm, prompts, 48)]
+        finally:
+            _close(llm)
         fig[f"{key}_identical"] = sum(g == w for g, w in zip(got, want, strict=True))
         fig[f"{key}_of"] = len(prompts)
         log.info("tiny fp32 (%s): %d/%d sequences token for token", key, fig[f"{key}_identical"], len(prompts))
-        del llm, shard
-        free_cuda()
         if fig[f"{key}_identical"] != len(prompts):
             raise AssertionError(f"tiny fp32 ({key}): raytp differs from HF: {got} vs {want}")
 
@@ -254,30 +277,52 @@ def _backend_name(shard: Any) -> str:
     return "unknown"
 
 
-def phase_llama8b(fig: dict[str, Any], workdir: Path, check: Check) -> None:
+class Sizes:
+    """The check's workload sizes; `--smoke-cpu` shrinks them (and the model) to run the phases' code on a CPU."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.single_in, self.single_out = (32, 16) if smoke else (SINGLE_IN, SINGLE_OUT)
+        self.offline = (8, 64, 16) if smoke else (OFFLINE_PROMPTS, OFFLINE_IN, OFFLINE_OUT)
+        self.profile_rows = (1, 8) if smoke else (1, 256)
+        self.profile_steps = 4 if smoke else 30
+        self.cold_prompts = 4 if smoke else 64  # the first batch after start: its time holds any JIT
+
+
+def build_model(fig: dict[str, Any], workdir: Path, state: dict[str, Any], smoke: bool) -> Any:
+    """The 8B-shaped bf16 model (random weights), saved for raytp; returns HF's copy on the device."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tests.helpers.tiny_models import save_byte_tokenizer
 
+    shape = {**LLAMA3_8B, **(SMOKE_SHAPE if smoke else {})}
     model_dir = workdir / "llama3-8b-shaped"
-    cfg = LlamaConfig(**LLAMA3_8B, architectures=["LlamaForCausalLM"])
+    cfg = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
     start = time.perf_counter()
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    state["weight_bytes"] = sum(p.numel() * p.element_size() for p in hf.parameters())
     hf.save_pretrained(model_dir)
     save_byte_tokenizer(model_dir)
+    state.update(model_dir=str(model_dir), vocab=shape["vocab_size"], num_layers=shape["num_hidden_layers"])
     fig["build_and_save_s"] = round(time.perf_counter() - start, 1)
-    fig["weight_gib"] = round(weight_bytes / 2**30, 2)
-    log.info("built and saved the 8B-shaped model (%.2f GiB) in %.1f s", weight_bytes / 2**30, fig["build_and_save_s"])
+    fig["weight_gib"] = round(state["weight_bytes"] / 2**30, 2)
+    log.info("built and saved the 8B-shaped model (%.2f GiB) in %.1f s", fig["weight_gib"], fig["build_and_save_s"])
+    return hf
 
-    # HF reference: greedy tokens with top-k logprobs, single stream, offline throughput.
-    parity_prompts = random_prompts(PARITY_PROMPTS, PARITY_PROMPT_LEN, LLAMA3_8B["vocab_size"], seed=2)
+
+def phase_hf8b(fig: dict[str, Any], workdir: Path, check: Check, state: dict[str, Any], hf_timing: bool) -> None:
+    """Build the model; HF's references (free-running greedy tokens with top-5, the teacher-forced log-softmax
+    over prompt + HF's continuation) and, with hf_timing, HF's single-stream and offline speed."""
+    sizes: Sizes = state["sizes"]
+    hf = build_model(fig, workdir, state, state["smoke"])
+    vocab = state["vocab"]
+    parity_prompts = random_prompts(PARITY_PROMPTS, PARITY_PROMPT_LEN, vocab, seed=2)
     out = hf_generate(hf, parity_prompts, PARITY_TOKENS, scores=True)
     steps = torch.stack(out.logits, dim=1).float().log_softmax(dim=-1)  # [B, new, V]
     top = steps.topk(TOP_LOGPROBS, dim=-1)
-    hf_seqs = [
+    state["parity_prompts"] = parity_prompts
+    state["hf_seqs"] = [
         (
             out.sequences[i, PARITY_PROMPT_LEN:].tolist(),
             [
@@ -287,61 +332,136 @@ def phase_llama8b(fig: dict[str, Any], workdir: Path, check: Check) -> None:
         )
         for i in range(PARITY_PROMPTS)
     ]
+    # Teacher-forced: HF's own greedy continuation fed back as a prompt; every position is compared.
+    state["tf_seqs"] = out.sequences.tolist()
+    with torch.inference_mode():
+        state["hf_tf_logprobs"] = hf(out.sequences).logits.float().log_softmax(dim=-1).cpu()
     del out, steps, top
-    single = random_prompts(1, SINGLE_IN, LLAMA3_8B["vocab_size"], seed=3)
-    hf_generate(hf, single, 8)  # warm-up
-    t1 = timed(hf_generate, hf, single, 1)
-    tn = timed(hf_generate, hf, single, SINGLE_OUT)
-    fig["hf_single_stream_ms_per_token"] = round((tn - t1) / (SINGLE_OUT - 1) * 1e3, 2)
-    offline = random_prompts(OFFLINE_PROMPTS, OFFLINE_IN, LLAMA3_8B["vocab_size"], seed=4)
-    if check.remaining() > 200:
-        secs = timed(hf_generate, hf, offline, OFFLINE_OUT)
-        fig["hf_offline_output_tok_s"] = round(OFFLINE_PROMPTS * OFFLINE_OUT / secs, 1)
-        fig["hf_offline_s"] = round(secs, 1)
-    else:
-        fig["hf_offline_output_tok_s"] = f"skipped: {check.remaining():.0f} s left"
-    log.info("HF: %s", {k: v for k, v in fig.items() if k.startswith("hf_")})
+    if hf_timing:
+        fig["hf_single_stream_ms_per_token"] = single_stream_ms(hf_generate, hf, sizes, vocab)
+        if check.remaining() > 300:
+            fig["hf_offline_output_tok_s"], fig["hf_offline_s"] = offline_rate(hf_generate, hf, sizes, vocab, 4)
+        else:
+            fig["hf_offline_output_tok_s"] = f"skipped: {check.remaining():.0f} s left"
+        log.info("HF: %s", {k: v for k, v in fig.items() if k.startswith("hf_")})
     del hf
     free_cuda()
 
-    # raytp at gpu_memory_utilization 0.9, the device to itself.
+
+def single_stream_ms(generate: Callable[..., Any], model: Any, sizes: Sizes, vocab: int) -> float:
+    """ms per output token of one stream past its first token (the prefill), after a warm-up."""
+    single = random_prompts(1, sizes.single_in, vocab, seed=3)
+    generate(model, single, 8)
+    t1 = timed(generate, model, single, 1)
+    tn = timed(generate, model, single, sizes.single_out)
+    return round((tn - t1) / (sizes.single_out - 1) * 1e3, 2)
+
+
+def offline_rate(generate: Callable[..., Any], model: Any, sizes: Sizes, vocab: int, seed: int) -> tuple[float, float]:
+    """(output tokens/s, seconds) of the offline batch on prompts drawn from `seed` (fresh: no cache hits)."""
+    n, length, out_len = sizes.offline
+    secs = timed(generate, model, random_prompts(n, length, vocab, seed=seed), out_len)
+    return round(n * out_len / secs, 1), round(secs, 1)
+
+
+def _close(llm: Any) -> None:
+    llm.llm_engine.shutdown()
+    free_cuda()
+
+
+def phase_raytp8b(
+    fig: dict[str, Any], check: Check, state: dict[str, Any], label: str, strict: bool = False, **engine: Any
+) -> None:
+    """raytp on the 8B-shaped model with `engine` settings at gpu_memory_utilization 0.9: the first batch after
+    start (its seconds and the Triton variants it compiled: a warm start compiles none), parity (free-running
+    and teacher-forced against HF), single stream, offline with fresh prompts, and decode steps profiled at 1
+    and 256 rows. strict: a token outside HF's top-5 where they first differ fails the phase (bf16 engines)."""
+    if "model_dir" not in state:
+        raise RuntimeError("the 8B-shaped model was not built (phase hf8b)")
+    sizes: Sizes = state["sizes"]
+    vocab, num_layers = state["vocab"], state["num_layers"]
     start = time.perf_counter()
     llm = raytp_llm(
-        str(model_dir), dtype="bfloat16", gpu_memory_utilization=0.9, max_model_len=4096, max_num_batched_tokens=8192
+        state["model_dir"],
+        dtype="bfloat16",
+        gpu_memory_utilization=0.9,
+        max_model_len=4096,
+        max_num_batched_tokens=8192,
+        **engine,
     )
     shard = shard_of(llm)
-    fig["raytp_load_s"] = round(time.perf_counter() - start, 1)
-    fig["raytp_attention_backend"] = _backend_name(shard)
-    fig["raytp_cuda_graphs"] = shard.runner.decode_graphs is not None
-    fig["raytp_kv_blocks"] = shard.cache.num_device_blocks
-    ours = [
-        (o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in (o.logprobs or [])])
-        for o in raytp_generate(llm, parity_prompts, PARITY_TOKENS, logprobs=TOP_LOGPROBS)
-    ]
-    parity = check_logprobs_close(ours, hf_seqs)
-    fig["parity_bf16"] = parity
-    log.info("8B bf16 parity: %s", parity)
-    raytp_generate(llm, single, 8)  # warm-up
-    t1 = timed(raytp_generate, llm, single, 1)
-    tn = timed(raytp_generate, llm, single, SINGLE_OUT)
-    fig["raytp_single_stream_ms_per_token"] = round((tn - t1) / (SINGLE_OUT - 1) * 1e3, 2)
-    if check.remaining() > 60:
-        secs = timed(raytp_generate, llm, offline, OFFLINE_OUT)
-        fig["raytp_offline_output_tok_s"] = round(OFFLINE_PROMPTS * OFFLINE_OUT / secs, 1)
-        fig["raytp_offline_s"] = round(secs, 1)
+    fig["settings"] = engine
+    fig["load_s"] = round(time.perf_counter() - start, 1)
+    fig["attention_backend"] = _backend_name(shard)
+    fig["cuda_graphs"] = shard.runner.decode_graphs is not None
+    fig["kv_blocks"] = shard.cache.num_device_blocks
+    try:
+        variants_at_start = compiled_variants()
+        cold = random_prompts(sizes.cold_prompts, sizes.offline[1], vocab, seed=10)
+        fig["first_batch_s"] = round(timed(raytp_generate, llm, cold, 8), 2)
+        again = random_prompts(sizes.cold_prompts, sizes.offline[1], vocab, seed=11)
+        fig["same_batch_again_s"] = round(timed(raytp_generate, llm, again, 8), 2)
+        after = compiled_variants()
+        fig["triton_variants_at_start"] = variants_at_start
+        fig["triton_variants_compiled_by_first_batches"] = (
+            None if after is None or variants_at_start is None else after - variants_at_start
+        )
+        ours = [
+            (o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in (o.logprobs or [])])
+            for o in raytp_generate(llm, state["parity_prompts"], PARITY_TOKENS, logprobs=TOP_LOGPROBS)
+        ]
+        tokens = state.setdefault("tokens_by_engine", {})
+        tokens[label] = [ids for ids, _ in ours]
+        if label != "sync" and "sync" in tokens:
+            fig["greedy_tokens_identical_to_sync"] = sum(
+                a == b for a, b in zip(tokens[label], tokens["sync"], strict=True)
+            )
+        fig["parity_free_running"] = check_logprobs_close(ours, state["hf_seqs"])
+        tf = raytp_prompt_logprobs(llm, state["tf_seqs"])
+        fig["parity_teacher_forced"] = teacher_forced(tf, state["hf_tf_logprobs"], state["tf_seqs"], 1)
+        log.info("%s parity: %s / %s", label, fig["parity_free_running"], fig["parity_teacher_forced"])
+        fig["single_stream_ms_per_token"] = single_stream_ms(raytp_generate, llm, sizes, vocab)
+        if check.remaining() > 90:
+            fig["offline_output_tok_s"], fig["offline_s"] = offline_rate(
+                raytp_generate, llm, sizes, vocab, 20 + len(label)
+            )
+        for rows in sizes.profile_rows:
+            if check.remaining() < 45:
+                break
+            in_len = sizes.single_in if rows == 1 else sizes.offline[1] + sizes.offline[2] // 2
+            fig[f"decode_{rows}_rows"] = decode_steps(
+                llm, rows, in_len, vocab, seed=30 + rows, steps=sizes.profile_steps, num_layers=num_layers
+            )
+            log.info("%s decode at %d rows: %s", label, rows, fig[f"decode_{rows}_rows"])
+    finally:
+        del shard
+        _close(llm)
+    figures_against_peers(fig, check, state)
+    log.info("%s: %s", label, {k: v for k, v in fig.items() if not k.startswith(("parity", "decode_"))})
+    mismatch = fig["parity_free_running"]["mismatch"]
+    if strict and mismatch:
+        raise AssertionError(f"{label}: tokens differ beyond HF's top-{TOP_LOGPROBS} logprobs: {mismatch}")
+
+
+def raytp_prompt_logprobs(llm: Any, seqs: list[list[int]]) -> list[list[dict[int, Any] | None]]:
+    from raytp import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+    return [o.prompt_logprobs for o in outs]
+
+
+def figures_against_peers(fig: dict[str, Any], check: Check, state: dict[str, Any]) -> None:
+    """The roofline fractions and the ratio to HF's offline speed, where both figures exist."""
     env = check.results["phases"].get("env", {})
+    hf = check.results["phases"].get("hf8b", {})
     bandwidth = env.get("nominal_bandwidth_tb_s") or env.get("measured_copy_bandwidth_tb_s")
     fig["bandwidth_tb_s_for_roofline"] = bandwidth
-    if bandwidth:
-        roofline(fig, weight_bytes, bandwidth * 1e12)
-    log.info("raytp: %s", {k: v for k, v in fig.items() if k.startswith(("raytp_", "roofline", "fraction", "x_"))})
-    del llm, shard
-    free_cuda()
-    if parity["mismatch"]:
-        raise AssertionError(f"8B bf16: tokens differ beyond the top-{TOP_LOGPROBS} logprobs: {parity['mismatch']}")
+    if bandwidth and "weight_bytes" in state:
+        roofline(fig, state["weight_bytes"], bandwidth * 1e12, hf.get("hf_offline_output_tok_s"))
 
 
-def roofline(fig: dict[str, Any], weight_bytes: int, bw: float) -> None:
+def roofline(fig: dict[str, Any], weight_bytes: int, bw: float, hf_tps: Any) -> None:
     """Bytes a decode step must read (every weight once, plus the KV of the context) over the bandwidth bw
     (bytes/s): the single-stream ms/token floor, and the output tokens/s ceiling of the offline batch's
     decode steps (prefill is compute-bound and left out, so the ceiling is generous)."""
@@ -349,48 +469,52 @@ def roofline(fig: dict[str, Any], weight_bytes: int, bw: float) -> None:
     single_ctx = SINGLE_IN + SINGLE_OUT / 2
     step_bytes = weight_bytes + kv_per_token * single_ctx
     fig["roofline_single_stream_ms_per_token"] = round(step_bytes / bw * 1e3, 3)
-    ours = fig.get("raytp_single_stream_ms_per_token")
+    ours = fig.get("single_stream_ms_per_token")
     if isinstance(ours, float) and ours > 0:
         fig["fraction_of_roofline_single_stream"] = round(fig["roofline_single_stream_ms_per_token"] / ours, 3)
     batch_ctx = OFFLINE_IN + OFFLINE_OUT / 2
     batch_step = weight_bytes + kv_per_token * batch_ctx * OFFLINE_PROMPTS
     fig["roofline_offline_decode_output_tok_s"] = round(OFFLINE_PROMPTS / (batch_step / bw), 1)
-    ours_tps, hf_tps = fig.get("raytp_offline_output_tok_s"), fig.get("hf_offline_output_tok_s")
+    ours_tps = fig.get("offline_output_tok_s")
     if isinstance(ours_tps, float):
         fig["fraction_of_roofline_offline"] = round(ours_tps / fig["roofline_offline_decode_output_tok_s"], 3)
         if isinstance(hf_tps, float) and hf_tps > 0:
             fig["x_hf_offline"] = round(ours_tps / hf_tps, 2)
 
 
-def phase_kvfull(fig: dict[str, Any], workdir: Path) -> None:
+def phase_kvfull(fig: dict[str, Any], state: dict[str, Any]) -> None:
     """The pool filled past capacity at max_num_seqs rows: preemption, never an out-of-memory."""
-    model_dir = workdir / "llama3-8b-shaped"
-    if not model_dir.exists():
-        raise RuntimeError("the 8B-shaped model was not built (phase llama8b)")
-    ctx, out_len = 4096, 32
-    torch.cuda.reset_peak_memory_stats()
-    log.info("kvfull: %.2f GiB free before loading", torch.cuda.mem_get_info()[0] / 2**30)
+    if "model_dir" not in state:
+        raise RuntimeError("the 8B-shaped model was not built (phase hf8b)")
+    ctx, out_len = (512, 8) if state["smoke"] else (4096, 32)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        log.info("kvfull: %.2f GiB free before loading", torch.cuda.mem_get_info()[0] / 2**30)
     llm = raytp_llm(
-        str(model_dir),
+        state["model_dir"],
         dtype="bfloat16",
         gpu_memory_utilization=0.9,
         max_model_len=ctx,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
+        **({"num_gpu_blocks_override": 64} if state["smoke"] else {}),
     )
     shard = shard_of(llm)
     pool_blocks = shard.cache.num_device_blocks
     pool_tokens = pool_blocks * shard.cache.block_size
     rows = min(256, pool_tokens // ctx + 16)  # more rows at full context than the pool holds
-    prompts = random_prompts(rows, ctx - out_len, LLAMA3_8B["vocab_size"], seed=5)
-    secs = timed(raytp_generate, llm, prompts, out_len)
+    prompts = random_prompts(rows, ctx - out_len, state["vocab"], seed=5)
+    del shard
+    try:
+        secs = timed(raytp_generate, llm, prompts, out_len)
+    finally:
+        _close(llm)
     fig.update(
         pool_blocks=pool_blocks, pool_tokens=pool_tokens, rows=rows, context=ctx, seconds_generating=round(secs, 1)
     )
-    fig["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if torch.cuda.is_available():
+        fig["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     log.info("kvfull: %s", fig)
-    del llm, shard
-    free_cuda()
 
 
 def phase_cuda_tests(fig: dict[str, Any], check: Check) -> None:
@@ -406,7 +530,7 @@ def phase_cuda_tests(fig: dict[str, Any], check: Check) -> None:
         str(p.relative_to(ROOT))
         for p in (ROOT / "tests" / "ops").glob("test_*.py")
         if not p.name.startswith(("test_cpu_", "test_fused_"))
-    ) + ["tests/model_exec/test_cuda_graphs.py"]
+    ) + ["tests/model_exec/test_cuda_graphs.py", "tests/model_exec/test_fp8.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
@@ -430,18 +554,39 @@ def _setup_logging(out: Path) -> None:
         root.addHandler(handler)
 
 
+PHASES = ("env", "tiny", "hf8b", "sync", "async", "fp8", "kvfull", "cuda_tests")
+
+
 def main() -> int:
+    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="directory for gpu_check.log and gpu_check.json")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="overall time budget (default 450 s)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="overall time budget (default 480 s)")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    ap.add_argument("--no-hf-timing", action="store_true", help="hf8b builds the references only (a rerun)")
+    ap.add_argument(
+        "--smoke-cpu", action="store_true", help="run the phases' code on the CPU with a small model (no figures)"
+    )
     args = ap.parse_args()
+    phases = [p for p in args.phases.split(",") if p]
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        ap.error(f"unknown phases {unknown}; choose from {','.join(PHASES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     _setup_logging(args.out)
     check = Check(args.out, args.budget_s)
     log.info("gpu_check: torch %s (CUDA build: %s), repository %s", torch.__version__, torch.version.cuda, ROOT)
     import raytp  # noqa: F401 - the front door imports on this machine (no Ray, no gguf, no llguidance)
+    from cluster.config import QUANTIZATIONS
 
-    if not torch.cuda.is_available():  # the first CUDA call
+    if args.smoke_cpu:
+        DEVICE = "cpu"
+        phases = [p for p in phases if p not in ("env", "cuda_tests")]
+        if "fp8" in QUANTIZATIONS:  # torch's CPU build has the rowwise-scaled _scaled_mm: run the phase's code
+            from model_exec.layers.quantization import fp8
+
+            fp8.refusal = lambda device, dtype: None
+    elif not torch.cuda.is_available():  # the first CUDA call
         check.results["status"] = "no CUDA device"
         check.save()
         log.error("gpu_check: no CUDA device visible to torch %s: nothing to check here.", torch.__version__)
@@ -451,14 +596,34 @@ def main() -> int:
         raise BudgetExceeded
 
     signal.signal(signal.SIGALRM, on_alarm)
+    state: dict[str, Any] = {"sizes": Sizes(args.smoke_cpu), "smoke": args.smoke_cpu}
+    runs: dict[str, tuple[float, Callable[[dict[str, Any]], None]]] = {}
     with tempfile.TemporaryDirectory(prefix="raytp-gpu-check-") as tmp:
         workdir = Path(tmp)
-        check.phase("env", 5, phase_env)
-        check.phase("tiny", 20, lambda fig: phase_tiny(fig, workdir))
-        check.phase("llama8b", 120, lambda fig: phase_llama8b(fig, workdir, check))
-        check.phase("kvfull", 90, lambda fig: phase_kvfull(fig, workdir))
-        check.phase("cuda_tests", 30, lambda fig: phase_cuda_tests(fig, check))
-    failed = [name for name, p in check.results["phases"].items() if not str(p.get("status", "")).startswith("ok")]
+        runs = {
+            "env": (5, phase_env),
+            "tiny": (20, lambda fig: phase_tiny(fig, workdir)),
+            "hf8b": (100, lambda fig: phase_hf8b(fig, workdir, check, state, not args.no_hf_timing)),
+            "sync": (80, lambda fig: phase_raytp8b(fig, check, state, "sync", strict=True)),
+            "async": (60, lambda fig: phase_raytp8b(fig, check, state, "async", strict=True, async_scheduling=True)),
+            "fp8": (60, lambda fig: phase_raytp8b(fig, check, state, "fp8", quantization="fp8")),
+            "kvfull": (60, lambda fig: phase_kvfull(fig, state)),
+            "cuda_tests": (30, lambda fig: phase_cuda_tests(fig, check)),
+        }
+        for name in PHASES:
+            if name not in phases:
+                continue
+            if name == "fp8" and "fp8" not in QUANTIZATIONS:
+                check.results["phases"][name] = {"status": "skipped: this raytp has no fp8 quantization"}
+                continue
+            needs_s, fn = runs[name]
+            check.phase(name, needs_s, fn)
+    # Every phase asked for must be ok; a skip for want of budget is a failure, fp8 absent from raytp is not.
+    failed = [
+        name
+        for name, p in check.results["phases"].items()
+        if not str(p.get("status", "")).startswith(("ok", "skipped: this raytp"))
+    ]
     check.results["status"] = "ok" if not failed else f"not ok: {', '.join(failed)}"
     check.save()
     log.info("gpu_check: %s; figures in %s", check.results["status"], args.out / "gpu_check.json")

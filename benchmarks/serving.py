@@ -9,6 +9,7 @@ request generates exactly what it asked for), greedy. Requests arrive as a Poiss
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 ...   # or measures a running server
     python benchmarks/serving.py --baseline vllm --request-rate 1 --num-prompts 32 --rounds 2
     python benchmarks/serving.py --baseline vllm --find-max-rate        # highest sustained rate of each
+    python benchmarks/serving.py --ab=--async-scheduling --rounds 4     # raytp with and without a flag
 
 `--baseline vllm` starts `raytp serve` and vLLM's OpenAI server as subprocesses on the same fp32
 safetensors directory with the same 4 GiB KV budget, then measures them in interleaved rounds (raytp,
@@ -32,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import math
+import shlex
 import statistics
 import sys
 from collections.abc import Callable, Generator
@@ -282,13 +284,34 @@ def main() -> None:
     p.add_argument("--search-steps", type=int, default=3, help="bisection steps after the doubling phase")
     p.add_argument("--probe-seconds", type=float, default=60.0, help="arrival window of each search probe")
     p.add_argument("--raytp-arg", action="append", default=[], help="extra `raytp serve` flag (repeatable)")
+    p.add_argument(
+        "--ab",
+        default=None,
+        metavar="FLAGS",
+        help="compare `raytp serve` with and without FLAGS (one string: --ab=--async-scheduling), alternating "
+        "rounds, one server at a time (benchmarks/common/serving_ab.py)",
+    )
     p.add_argument("--log-dir", default="/tmp/raytp-serving-bench", help="the servers' logs (with --baseline)")
     p.add_argument("--json", default=None, help="also write the summaries (of a search: every probe's) to this file")
     args = p.parse_args()
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.rounds is None:  # a comparison needs medians of >= 2 interleaved rounds
         args.rounds = 2 if args.baseline == "vllm" else 1
-    if args.baseline == "vllm":
+    if args.ab is not None:
+        if args.baseline == "vllm" or args.base_url:
+            p.error("--ab compares two raytp servers it starts itself; no --baseline or --base-url")
+        from benchmarks.common.serving_ab import compare_flags
+
+        compare_flags(
+            {"plain": args.raytp_arg, args.ab: [*args.raytp_arg, *shlex.split(args.ab)]},
+            rounds=max(2, args.rounds),
+            num_prompts=args.num_prompts,
+            input_len=tuple(args.input_len),
+            output_len=tuple(args.output_len),
+            request_rate=args.request_rate,
+            model=args.model,
+        )
+    elif args.baseline == "vllm":
         if args.base_url:
             p.error("--baseline vllm starts both servers itself; --base-url is for measuring one running server")
         run_against_vllm(args)

@@ -69,6 +69,9 @@ class SimulatedDevice(Executor):
     def determine_num_blocks(self) -> tuple[int, int]:
         return self.num_blocks, 0
 
+    def quantization(self) -> str:
+        return "none"  # no weights at all
+
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         pass
 

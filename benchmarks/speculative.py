@@ -18,13 +18,11 @@ time, started fresh for each round, alternating which goes first; prints through
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -106,42 +104,17 @@ def offline(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from benchmarks.common.hf_model import hf_model_dir
-    from benchmarks.common.servers import free_port, start_raytp
-    from benchmarks.common.serving_load import run_load, summarize
-    from benchmarks.common.workload import random_requests
+    from benchmarks.common.serving_ab import compare_flags
 
-    model_dir = hf_model_dir()
-    flags = {"plain": [], "ngram": ["--speculative-config", json.dumps({**NGRAM, "num_speculative_tokens": args.k})]}
-    summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in flags}
-    for r in range(args.rounds):
-        work = random_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), 10000, 0, r)
-        for name in list(flags) if r % 2 == 0 else list(reversed(flags)):
-            srv = start_raytp(model_dir, free_port(), None, flags[name])
-            try:
-                srv.wait_ready()
-                results, duration = asyncio.run(run_load(srv.base_url, work, args.request_rate, 1, {}))
-            finally:
-                srv.stop()
-            s = summarize(results, duration, args.request_rate)
-            summaries[name].append(s)
-            print(
-                f"round {r + 1} {name}: {s['request_throughput']:.2f} req/s, TPOT p50 {s['tpot_p50_ms']:.1f} ms, "
-                f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, failed {s['failed']}",
-                flush=True,
-            )
-    med = {
-        name: {k: statistics.median(s[k] for s in ss) for k in ("request_throughput", "tpot_p50_ms", "ttft_p50_ms")}
-        for name, ss in summaries.items()
-    }
-    p, n = med["plain"], med["ngram"]
-    print(
-        f"\n| serve {args.request_rate:g} req/s, {args.num_prompts} prompts, {args.rounds} rounds "
-        "| plain | n-gram | ratio |"
+    ngram = ["--speculative-config", json.dumps({**NGRAM, "num_speculative_tokens": args.k})]
+    compare_flags(
+        {"plain": [], "n-gram": ngram},
+        rounds=args.rounds,
+        num_prompts=args.num_prompts,
+        input_len=tuple(args.input_len),
+        output_len=tuple(args.output_len),
+        request_rate=args.request_rate,
     )
-    print("| --- | --- | --- | --- |")
-    for key, label in (("request_throughput", "req/s"), ("tpot_p50_ms", "TPOT p50 ms"), ("ttft_p50_ms", "TTFT p50 ms")):
-        print(f"| {label} | {p[key]:.2f} | {n[key]:.2f} | {n[key] / p[key]:.2f}x |")
 
 
 def main() -> None:

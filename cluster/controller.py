@@ -331,6 +331,8 @@ class EngineLoop:
             max_model_len=self.engine.max_model_len,
             vocab_size=mc.vocab_size,
             eos_token_ids=list(mc.eos_token_ids),
+            quantization=self.engine.quantization,
+            dtype=cfg.dtype,
             generation_defaults=dict(self.engine.generation_defaults),
             pooling_task=self.engine.pooling_task,
             block_size=cfg.block_size,

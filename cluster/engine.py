@@ -82,6 +82,18 @@ def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig, group
     return RayExecutor(config, model_config, group_name)
 
 
+def agreed_quantization(executor: Executor) -> str:
+    """The quantization every rank runs ("fp8" | "gguf" | "int8" | "none"). Ranks that disagree (which only a
+    difference between their nodes could cause) are refused, naming each rank's answer, and the executor shut
+    down: one model replica runs one quantization, and its label must be true of every rank."""
+    answers = executor.collective_rpc("quantization")
+    if len(set(answers)) != 1:
+        executor.shutdown()
+        ranks = ", ".join(f"rank {r}: {q}" for r, q in enumerate(answers))
+        raise RuntimeError(f"the tensor-parallel ranks loaded the weights with different quantizations ({ranks}).")
+    return str(answers[0])
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -101,6 +113,9 @@ class LLMEngine:
             )
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.executor = executor_factory(self.config, self.model_config)
+        # What the weights run, as the ranks decided it at load (a pre-quantized checkpoint can pick fp8 with the
+        # setting unset; a GGUF without quantization='gguf' runs "none"): /v1/models and the metrics name it.
+        self.quantization = agreed_quantization(self.executor)
         sizes = self.executor.collective_rpc("determine_num_blocks")  # every rank's; the smallest fits them all
         num_device_blocks, num_cpu_blocks = min(d for d, _ in sizes), min(c for _, c in sizes)
         # pooling_task: what a pooling engine serves ("embed" | "score"); None when it generates
@@ -139,8 +154,10 @@ class LLMEngine:
         if self.config.async_scheduling:
             self.use_step_thread(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-exec"))
         logger.info(
-            "engine ready: %s, %d device KV blocks of %d tokens, %d CPU swap blocks",
+            "engine ready: %s (%s, quantization %s), %d device KV blocks of %d tokens, %d CPU swap blocks",
             self.model_name,
+            self.config.dtype,
+            self.quantization,
             num_device_blocks,
             self.config.block_size,
             num_cpu_blocks,

@@ -10,6 +10,9 @@ Ray's metrics pipeline (`EngineMetrics`), tagged with the model and the replica:
     on_idle()                the step loop stopped: the gauges show the idle state
     on_failure(error)        the engine died: health 0, and the failed rank's counter +1
 
+At start it sets the info gauge `raytp:model_config_info` (the quantization the ranks run, the dtype) once;
+the recorder keeps it exported until close().
+
 The same records feed the periodic log lines (`cluster/metrics/log_stats.py`: throughput, queues, KV,
 and with speculative decoding vLLM's SpecDecoding line), written after a step or on idle once due.
 
@@ -46,6 +49,9 @@ class EngineTelemetry:
         self._metrics.record_scheduler_stats(self._stats.scheduler_stats())
         self._metrics.record_iteration_stats(IterationStats())
         self._metrics.record_health(True)
+        self._metrics.record_info(
+            "model_config_info", {"quantization": engine.quantization, "dtype": engine.config.dtype}
+        )
 
     def on_add(self, request_id: str, params: SamplingParams, arrival_time: float) -> None:
         self._stats.add_request(request_id, params, arrival_time)

@@ -19,6 +19,8 @@ class ModelInfo:
     max_model_len: int  # longest prompt + output, as resolved
     vocab_size: int  # token ids a request may name are below it
     eos_token_ids: list[int]
+    quantization: str  # what the weights run, as every rank decided at load: "fp8" | "gguf" | "int8" | "none"
+    dtype: str  # the resolved weight/activation dtype ("float32", "bfloat16", ...; never "auto")
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields unset requests take
     pooling_task: str | None = None  # "embed" | "score" for a pooling engine (runner pooling); None: it generates
     block_size: int = 16  # tokens per KV block

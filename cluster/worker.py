@@ -3,7 +3,7 @@
 The same class runs in-process (TP=1, `InProcessExecutor`) and as the Ray actor of each rank
 (`RayExecutor` wraps this very class with `ray.remote`), so the protocol is written once:
 
-    node_info (Ray only) -> load_model -> determine_num_blocks -> init_cache -> execute_model per step
+    node_info (Ray only) -> load_model -> quantization, determine_num_blocks -> init_cache -> execute_model per step
 
 Every per-rank operation is a public method here and nowhere else: the executors reach it by name through
 `collective_rpc` (the step itself through `execute_model`), so adding one is one method in this file.
@@ -93,6 +93,11 @@ class Worker:
             world_size=self.world_size,
             dist_init_method=dist_init_method,
         )
+
+    def quantization(self) -> str:
+        """The quantization this rank's weights run ("fp8" | "gguf" | "int8" | "none"): what the rank decided at
+        load from the setting, the checkpoint and its device (`select_quantization`), not the setting itself."""
+        return self._shard().quantization
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this rank can hold; the engine takes the minimum over ranks.

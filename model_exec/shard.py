@@ -30,6 +30,7 @@ from model_exec.pooler import Pooler
 from model_exec.pooling_model import build_pooling_model
 from model_exec.shard_config import ShardConfig
 from model_exec.source import ModelSource
+from model_exec.warmup import warm_up_decode
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend, pick_backend
 from ops.dtypes import torch_dtype
@@ -100,7 +101,9 @@ class ModelShard:
             attn_backend = pick_backend(config.attention_candidates, self.device, config.attention_passed_over)
         else:
             attn_backend = get_attn_backend(config.attention_backend, self.device, dtype, block_size)
-        quant = select_quantization(config.quantization, source.kind, self.device, dtype)
+        quant = select_quantization(
+            config.quantization, source.kind, self.device, dtype, model_config.hf.get("quantization_config")
+        )
         self.quantization = "none" if quant is None else quant.name
         pooler: Pooler | None = None
         with quantization_scope(quant):
@@ -223,6 +226,11 @@ class ModelShard:
                 torch.cuda.synchronize()
             else:
                 self.runner.attach_decode_graphs(graphs)
+        if self.device.type == "cuda" and self.config.runner != "pooling":
+            # Before the first request: block 0 holds nothing yet (model_exec/warmup.py).
+            warm_up_decode(
+                self.runner.model, self.cache.device_caches, s.block_size, self.config.max_model_len, self.device
+            )
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""

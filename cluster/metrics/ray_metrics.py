@@ -3,7 +3,8 @@
 Every process that owns a fact records it where it is, and Ray's per-node metrics agent exports
 it on that node's metrics port beside Ray Serve's `ray_serve_*` series (names: registry.py):
 
-    EngineMetrics(model_name, replica)         controller / output path: scheduler + iteration stats, health
+    EngineMetrics(model_name, replica)         controller / output path: scheduler + iteration stats, health,
+                                               info gauges (`record_info`)
     WorkerMetrics(model_name, replica, rank)   each TP worker: its execute_model wall time
     BatchMetrics(model_name, batch_job)        the batch runner: rows total / done / failed
 
@@ -252,6 +253,16 @@ class EngineMetrics:
     def record_health(self, healthy: bool) -> None:
         """1 once the engine serves, 0 once it is dead; kept until close() or the process ends."""
         _keeper.set(metric("engine_healthy"), self._tags, 1.0 if healthy else 0.0)
+
+    def record_info(self, name: str, labels: Mapping[str, str]) -> None:
+        """Set info gauge `name` (vLLM's `*_info`: value 1, facts as labels) for this replica, kept exported until
+        close(). `labels` must be exactly the labels the registry gives it beyond the engine's (ValueError)."""
+        d = metric(name)
+        engine, extra = d.labels[: len(self._tags)], d.labels[len(self._tags) :]
+        info = d.kind == "gauge" and d.name.endswith("_info") and engine == tuple(self._tags) and bool(extra)
+        if not info or set(labels) != set(extra):
+            raise ValueError(f"{d.name} is not an engine info gauge with labels {sorted(labels)}")
+        _keeper.set(d, {**self._tags, **labels}, 1.0)
 
     def close(self) -> None:
         """Stop refreshing this replica's gauges; Ray drops them within two export intervals."""

@@ -218,6 +218,13 @@ METRICS: tuple[MetricDef, ...] = (
         extra=("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
     ),
     _engine("engine_healthy", "gauge", "1 while the engine can serve, 0 once it is dead (until Serve replaces it)."),
+    # An info gauge in vLLM's way (vllm:cache_config_info): value 1, the engine's config as labels, set once at
+    # start. `quantization` is what every rank runs (not the setting: a pre-quantized checkpoint picks fp8 by
+    # itself), `dtype` the resolved one.
+    _engine(
+        "model_config_info", "gauge", "Information of the model's configuration as it runs.",
+        extra=("quantization", "dtype"),
+    ),
     MetricDef("raytp:batch_rows_total", "gauge", "Rows in the batch job's input file.", BATCH_LABELS),
     MetricDef(
         "raytp:batch_rows_done", "gauge", "Rows of the batch job answered so far (resumed ones included).",

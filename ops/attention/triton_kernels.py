@@ -42,7 +42,12 @@ def _find_row(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Decision: the two ints that change from step to step (the batch's row count and the block table's width)
+# are not specialised on. Triton otherwise compiles a variant per value class (== 1, divisible by 16,
+# other) of each, up to nine per constexpr set, and a serving engine met them one by one on its first
+# batches (3-4 s of JIT on an H200). Neither bounds an inner loop nor addresses a vectorised load
+# (num_seqs bounds the row search, stride_bt one scalar load per key tile), so there is little to gain.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def paged_attention_kernel(
     out_ptr,  # [T, Hq, D]                      (NUM_SEGMENTS == 1)
     part_acc_ptr,  # [T, Hq, NUM_SEGMENTS, D] fp32 (NUM_SEGMENTS > 1)

@@ -95,6 +95,7 @@ class BatchReplica:
             max_token_chars=max_token_chars(self._tokenizer),
             chat=self._chat,
             pooling_task=info.pooling_task,
+            quantization=info.quantization,
         )
         adapters = [Adapter(lora, self._model_name) for lora in self._loras]
         self._handlers = handlers(ServedModels([self.ctx], adapters))

@@ -70,6 +70,8 @@ class ServingContext:
     enable_lora: bool = False  # the engine serves LoRA adapters (EngineConfig.enable_lora)
     # a pooling model's task (the engine's `pooling_task`: "embed" or "score"); None: the model generates
     pooling_task: str | None = None
+    # what the model's weights run (the engine's `quantization`, every rank's): /v1/models shows it
+    quantization: str = "none"
     # the adapter every request through this context runs with (None: the base model); set by `with_adapter`
     lora: LoRARequest | None = None
     _pool: ThreadPoolExecutor = field(

@@ -108,15 +108,22 @@ class ServedModels:
 
     def cards(self) -> list[ModelCard]:
         """`GET /v1/models`: every base model, then every adapter (`parent` its base model, `root` its path,
-        as vLLM lists them)."""
+        as vLLM lists them; `quantization` raytp's own: an adapter's is its base model's)."""
         return [self.card(n) for n in self.names()]
 
     def card(self, name: str) -> ModelCard:
         """`GET /v1/models/{name}`; 404 for a name not served."""
         if name in self._models:
-            return ModelCard(id=name, root=name, max_model_len=self._models[name].max_model_len)
+            ctx = self._models[name]
+            return ModelCard(id=name, root=name, max_model_len=ctx.max_model_len, quantization=ctx.quantization)
         a = self._adapters.get(name)
         if a is None:
             raise model_not_found(name, self.names())
         base = self._models[a.base_model]
-        return ModelCard(id=name, root=a.lora.lora_path, parent=a.base_model, max_model_len=base.max_model_len)
+        return ModelCard(
+            id=name,
+            root=a.lora.lora_path,
+            parent=a.base_model,
+            max_model_len=base.max_model_len,
+            quantization=base.quantization,
+        )

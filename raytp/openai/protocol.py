@@ -366,6 +366,9 @@ class ModelCard(OpenAIModel):
     root: str | None = None  # a base model's served name; an adapter's checkpoint path (vLLM's)
     parent: str | None = None  # an adapter's base model (vLLM's); None for a base model
     max_model_len: int | None = None
+    # raytp's extension: the quantization the weights run ("fp8" | "gguf" | "int8" | "none"), as the engine's ranks
+    # decided it at load; an adapter's card shows its base model's (its requests run on those weights)
+    quantization: str
 
 
 class ModelList(OpenAIModel):

@@ -135,4 +135,5 @@ async def _context(model: ModelArgs, client: EngineClient, tokenizer: Any) -> Se
         chat=model.chat,
         enable_lora=model.engine.enable_lora,
         pooling_task=info.pooling_task,
+        quantization=info.quantization,
     )

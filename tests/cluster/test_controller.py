@@ -166,6 +166,7 @@ def test_model_info_and_stats(controller: Any) -> None:
     info = ray.get(controller.model_info.remote())
     assert info.vocab_size == 320 and info.max_model_len == 512 and info.eos_token_ids == [2]
     assert info.block_size == 4 and info.tensor_parallel_size == 2 and info.num_device_blocks > 0
+    assert (info.quantization, info.dtype) == ("none", "float32")  # both ranks answered "none"
     asyncio.run(_collect(_stream(controller, "for-stats", [5, 6, 7], greedy(3))))
     stats = ray.get(controller.get_stats.remote())
     assert isinstance(stats, LoopStats) and isinstance(info, ModelInfo)  # typed records cross Ray intact

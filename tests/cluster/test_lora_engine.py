@@ -51,6 +51,9 @@ class FakeExecutor(Executor):
     def determine_num_blocks(self) -> tuple[int, int]:
         return 64, 16
 
+    def quantization(self) -> str:
+        return "none"  # no weights at all
+
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         pass
 

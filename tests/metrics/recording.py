@@ -51,7 +51,7 @@ def iteration() -> IterationStats:
 
 
 # (series, labels beyond the engine's, value) after `record_all` (SCHEDULER twice, iteration()
-# once, one worker step on rank 0, healthy, batch progress) and `record_worker_failure` (rank 1).
+# once, one worker step on rank 0, healthy, the config info, batch progress) and `record_worker_failure` (rank 1).
 EXPECTED: tuple[tuple[str, dict[str, str], float], ...] = (
     ("ray_raytp_num_requests_running", {}, 3),
     ("ray_raytp_num_requests_waiting", {}, 2),
@@ -88,6 +88,7 @@ EXPECTED: tuple[tuple[str, dict[str, str], float], ...] = (
     ("ray_raytp_worker_failures_total", {"rank": "0"}, 0),  # created at 0 by num_ranks=2
     ("ray_raytp_worker_failures_total", {"rank": "1"}, 1),
     ("ray_raytp_engine_healthy", {}, 1),
+    ("ray_raytp_model_config_info", {"quantization": "int8", "dtype": "float32"}, 1),
     ("ray_raytp_spec_decode_num_drafts_total", {}, 4),
     ("ray_raytp_spec_decode_num_draft_tokens_total", {}, 7),
     ("ray_raytp_spec_decode_num_accepted_tokens_total", {}, 5),
@@ -118,6 +119,7 @@ class Recorder:
         self.engine.record_scheduler_stats(SCHEDULER)
         self.engine.record_iteration_stats(iteration())
         self.engine.record_health(True)
+        self.engine.record_info("model_config_info", {"quantization": "int8", "dtype": "float32"})
         self.worker.record_step(0.02)
         self.batch.record_progress(BatchProgress(rows_total=10, rows_done=4, rows_failed=1))
 

@@ -77,6 +77,7 @@ def test_rank_step_times_failure_counter_and_health(model: str, ray_metrics_port
             "the first request's metrics, the same step count on both ranks",
         )
         assert got[("ray_raytp_engine_healthy", "")] == 1.0
+        assert got[("ray_raytp_model_config_info", "")] == 1.0  # set at start (its labels: tests/cluster)
         assert got[("ray_raytp_worker_failures_total", "1")] == 0.0  # exists at 0 before any failure
 
         ranks = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-rank1")]

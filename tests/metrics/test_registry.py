@@ -73,6 +73,10 @@ def test_raytp_only_metrics_are_there() -> None:
     assert metric("worker_step_time_seconds").kind == "histogram"
     assert "rank" in metric("worker_step_time_seconds").labels
     assert metric("worker_failures").kind == "counter"
+    # vLLM's way of exporting config (vllm:cache_config_info): a gauge whose labels are the facts
+    info = metric("model_config_info")
+    assert info.kind == "gauge" and info.labels == ("model_name", "replica", "quantization", "dtype")
+    assert info.samples == ("ray_raytp_model_config_info",)
     for name in ("batch_rows_total", "batch_rows_done", "batch_rows_failed"):
         assert metric(name).kind == "gauge"
         assert metric(name).labels == ("model_name", "batch_job")

@@ -88,6 +88,7 @@ def test_models_lists_both(server: LiveServer) -> None:
     assert [(m["id"], m["parent"]) for m in data] == [("alpha", None), ("beta", None)]
     one = requests.get(server.url("/v1/models/beta"), timeout=30)
     assert one.status_code == 200 and one.json()["id"] == "beta" and one.json()["max_model_len"] == 256
+    assert [m["quantization"] for m in data] == ["none", "none"]  # raytp's field: what the weights run
     missing = requests.get(server.url("/v1/models/gamma"), timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

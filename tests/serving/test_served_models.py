@@ -22,8 +22,10 @@ from raytp.serve.lora_registry import LoRARegistry
 from request.lora import LoRARequest
 
 
-def ctx(name: str) -> ServingContext:
-    return ServingContext(cast(Any, None), None, name, max_model_len=64, vocab_size=8, max_token_chars=1)
+def ctx(name: str, quantization: str = "none") -> ServingContext:
+    return ServingContext(
+        cast(Any, None), None, name, max_model_len=64, vocab_size=8, max_token_chars=1, quantization=quantization
+    )
 
 
 def adapter(name: str, lora_id: int, base: str) -> Adapter:
@@ -63,6 +65,23 @@ def test_adapter_table_and_cards() -> None:
         models.set_adapters([adapter("x", 3, "nope")])
     with pytest.raises(ValueError, match="already taken"):
         models.set_adapters([adapter("a", 3, "a")])
+
+
+def test_cards_say_which_quantization_runs() -> None:
+    """raytp's `quantization` field beside vLLM's, which keep their values; an adapter's is its base model's."""
+    models = ServedModels([ctx("q", "int8"), ctx("f")], [adapter("sql", 1, "q")])
+    cards = {c.id: c.model_dump() for c in models.cards()}
+    assert {n: c["quantization"] for n, c in cards.items()} == {"q": "int8", "f": "none", "sql": "int8"}
+    assert {k: v for k, v in cards["q"].items() if k != "created"} == {
+        "id": "q",
+        "object": "model",
+        "owned_by": "raytp",
+        "root": "q",
+        "parent": None,
+        "max_model_len": 64,
+        "quantization": "int8",
+    }
+    assert models.card("sql").model_dump()["parent"] == "q"
 
 
 def test_models_form_with_shared_defaults() -> None:

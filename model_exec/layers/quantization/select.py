@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
+from model_exec.layers.quantization import fp8
 from model_exec.layers.quantization.base import QuantizationConfig
+from model_exec.layers.quantization.fp8_checkpoint import checkpoint_fp8
 from model_exec.layers.quantization.gguf import GGUFConfig, kernels_available
 from model_exec.layers.quantization.int8 import Int8Config
 
@@ -14,25 +17,47 @@ logger = logging.getLogger(__name__)
 
 
 def select_quantization(
-    setting: str | None, source_kind: str, device: torch.device, dtype: torch.dtype
+    setting: str | None,
+    source_kind: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    checkpoint_config: dict[str, Any] | None = None,
 ) -> QuantizationConfig | None:
     """The config the model's layers are built under (None: float weights).
 
     `setting` is EngineConfig.quantization: None and "none" load float weights (a GGUF dequantized); "gguf"
     keeps a GGUF's blocks, refused by name where it cannot run (never a silent float fallback); "int8"
-    quantizes a float checkpoint's linear layers at load (the same refusal).
+    quantizes a float checkpoint's linear layers at load (the same refusal). "fp8" quantizes them to FP8 on a
+    CUDA device of compute capability >= 8.9 in bfloat16 (`fp8.refusal` names why not elsewhere).
+
+    `checkpoint_config` is config.json's `quantization_config`: a pre-quantized FP8 checkpoint runs as "fp8"
+    whether the setting says so or is unset (vLLM's behaviour); any other setting, or a format raytp cannot
+    load, is refused by name (`fp8_checkpoint.checkpoint_fp8`).
 
     Decision: kept-in-blocks is opt-in, not the GGUF default, until two things hold. The block kernel's bits
     depend on the batch (its activation blocks and tiles follow the rows of each step, so chunked prefill,
     preemption or a neighbour's prompt change a seeded sample), where the float path gives the same bits
     whatever the batching; and its end-to-end decode and prefill speed has not been measured on an idle
     machine (the kernel alone: 2.2x the fp32 panels on a decode step's products; prefill measured slower)."""
+    prequantized = checkpoint_fp8(checkpoint_config)
+    if prequantized is not None:
+        if setting not in (None, "fp8"):
+            raise ValueError(
+                f"the checkpoint is quantized ({prequantized.describe}); quantization={setting!r} cannot load it: "
+                "leave quantization unset or pass 'fp8'"
+            )
+        setting = "fp8"
     if setting in (None, "none"):
         if setting is None and source_kind == "gguf":
             logger.info("GGUF weights load dequantized to %s; quantization='gguf' keeps their blocks", dtype)
         return None
-    if setting not in (None, "gguf", "int8"):
-        raise ValueError(f"quantization {setting!r} is not supported; supported: gguf, int8, none")
+    if setting not in (None, "gguf", "int8", "fp8"):
+        raise ValueError(f"quantization {setting!r} is not supported; supported: fp8, gguf, int8, none")
+    if setting == "fp8":
+        why = fp8.refusal(device, dtype)
+        if why is not None:
+            raise ValueError(f"quantization='fp8' cannot run here: {why}")
+        return fp8.Fp8Config(prequantized)
     gguf_runs = device.type == "cpu" and dtype == torch.float32 and kernels_available()
     if setting == "int8":
         if not gguf_runs:
