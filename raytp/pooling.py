@@ -26,15 +26,18 @@ from request.pooling_params import PoolingParams
 def run_pooling(
     engine: LLMEngine, prompts: list[PromptType], params: PoolingParams, ids: Iterator[int], use_tqdm: bool
 ) -> list[tuple[str, Any, list[int]]]:
-    """(request id, pooled result, prompt token ids) per prompt, in input order."""
-    rids: list[str] = []
+    """(request id, pooled result, prompt token ids) per prompt, in input order.
+
+    Decision: the prompts enter the engine longest first (sentence-transformers' `encode` order), so each
+    step's batch holds texts of like length and pads little; ids and results keep the input order."""
+    rids = [str(next(ids)) for _ in prompts]
+    added: list[str] = []
     try:
-        for prompt in prompts:
-            rid = str(next(ids))
-            engine.add_request(rid, prompt, params)
-            rids.append(rid)
+        for i in sorted(range(len(prompts)), key=lambda i: -_size(prompts[i])):
+            engine.add_request(rids[i], prompts[i], params)
+            added.append(rids[i])
     except Exception:
-        engine.abort_request(rids)  # a bad prompt refuses the whole call, and frees what it queued
+        engine.abort_request(added)  # a bad prompt refuses the whole call, and frees what it queued
         raise
     results: dict[str, tuple[Any, list[int]]] = {}
     token_ids: dict[str, list[int]] = {}
@@ -53,6 +56,16 @@ def run_pooling(
                 bar.update(1)
     bar.close()
     return [(rid, *results[rid]) for rid in rids]
+
+
+def _size(prompt: PromptType) -> int:
+    """A prompt's length for ordering: characters of a text, or token ids (as sentence-transformers orders)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return len(ids) if ids is not None else len(str(prompt.get("prompt", "")))
+    return len(prompt)
 
 
 def with_truncation(params: PoolingParams, truncate_prompt_tokens: int | None) -> PoolingParams:
