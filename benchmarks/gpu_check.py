@@ -597,10 +597,9 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, on_alarm)
     state: dict[str, Any] = {"sizes": Sizes(args.smoke_cpu), "smoke": args.smoke_cpu}
-    runs: dict[str, tuple[float, Callable[[dict[str, Any]], None]]] = {}
     with tempfile.TemporaryDirectory(prefix="raytp-gpu-check-") as tmp:
         workdir = Path(tmp)
-        runs = {
+        runs: dict[str, tuple[float, Callable[[dict[str, Any]], None]]] = {
             "env": (5, phase_env),
             "tiny": (20, lambda fig: phase_tiny(fig, workdir)),
             "hf8b": (100, lambda fig: phase_hf8b(fig, workdir, check, state, not args.no_hf_timing)),

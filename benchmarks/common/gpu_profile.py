@@ -89,8 +89,9 @@ def decode_steps(
     for rid, prompt in zip(ids, random_prompts(rows, prompt_len, vocab, seed), strict=True):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     started: set[str] = set()
+    wanted = set(ids)
     while len(started) < rows:  # the prefill, chunked over steps
-        started.update(d.request_id for d in engine.step() if d.request_id in ids)
+        started.update(d.request_id for d in engine.step() if d.request_id in wanted)
     for _ in range(warm):
         engine.step()
     synchronize()

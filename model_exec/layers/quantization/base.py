@@ -56,10 +56,10 @@ class QuantizeMethodBase(ABC):
         """x @ W^T (+ bias) for x [..., input_size]."""
 
 
-def release(param: nn.Parameter) -> None:
-    """Keep the parameter's shape and dtype but no memory (a zero-stride view of one element): loading into
-    it afterwards fails loudly instead of writing a matrix nobody reads."""
-    param.data = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
+def release(param: nn.Parameter, dtype: torch.dtype | None = None) -> None:
+    """Keep the parameter's shape and dtype (or take `dtype`) but no memory (a zero-stride view of one element):
+    loading into it afterwards fails loudly instead of writing a matrix nobody reads."""
+    param.data = torch.empty(1, dtype=dtype or param.dtype, device=param.device).expand(param.shape)
 
 
 class UnquantizedLinearMethod(QuantizeMethodBase):

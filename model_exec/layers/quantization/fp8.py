@@ -154,7 +154,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
             if self.input_scales is not None:
                 self.input_scale = self.input_scales.data.max()  # vLLM: the fused parts share the largest
             # the parameter keeps its logical shape in the float dtype (LoRA casts its adapters to it), no memory
-            layer.weight.data = torch.empty(1, dtype=self.params_dtype, device=q.device).expand(n, k)
+            release(layer.weight, self.params_dtype)
         self.weight_t = q.t()
         self.scale_b = scale.reshape(1, n).contiguous()
         return True
