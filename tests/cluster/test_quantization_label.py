@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.controller import EngineLoop
@@ -22,6 +23,16 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from tests.helpers.tiny_models import make_tiny_llama
 
 KV_BYTES = 1 << 22
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_left_up() -> Any:
+    """EngineLoop's runtime context and Ray's metric instruments start a local Ray on first use: each test here
+    stops it, so a later test in the same process finds none (naming ray also puts this file in the suite's
+    "live" group with the other tests that start one, tests/conftest.py)."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +127,7 @@ def test_the_info_gauge_is_set_at_start_and_dropped_at_close(model: str, monkeyp
     try:
         telemetry = EngineTelemetry(engine, "r0", "m")
         info = {dict(tags)["quantization"]: (dict(tags), v) for (n, tags), v in keeper.live.items() if "info" in n}
-        assert info == {
-            "none": ({"model_name": "m", "replica": "r0", "quantization": "none", "dtype": "float32"}, 1.0)
-        }
+        assert info == {"none": ({"model_name": "m", "replica": "r0", "quantization": "none", "dtype": "float32"}, 1.0)}
         telemetry.close()
         assert not keeper.live
         recorder = ray_metrics.EngineMetrics("m", "r1")
