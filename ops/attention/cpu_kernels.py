@@ -1,6 +1,6 @@
 """The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
 `../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`,
-`../csrc/gguf_gemm.cpp`), compiled into one library once per machine at first use and cached.
+`../csrc/gguf_gemm.cpp`, `../csrc/gguf_kquants.cpp`), compiled into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so concurrent
@@ -51,9 +51,10 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "panel_gemm.cpp",  # model_exec/layers/cpu_gemm.py's few-row linear
     Path(__file__).parents[1] / "csrc" / "kv_write.cpp",  # ops/cache_ops.py's write_to_paged_cache
     Path(__file__).parents[1] / "csrc" / "gguf_gemm.cpp",  # model_exec/layers/quantization's GGUF linear
+    Path(__file__).parents[1] / "csrc" / "gguf_kquants.cpp",  # its Q4_K / Q6_K kernels
 ]
 # Headers the sources include: part of `build_name`'s hash, so an edited header builds anew too.
-_HEADERS = [Path(__file__).parents[1] / "csrc" / "vec_math.h"]
+_HEADERS = [Path(__file__).parents[1] / "csrc" / "vec_math.h", Path(__file__).parents[1] / "csrc" / "gguf_kquants.h"]
 # Every op the sources register: the library counts as loaded only when all of them are there.
 _OPS = (
     "paged_decode_attention",

@@ -21,6 +21,8 @@
 // a chunk of kChunk output rows (a few KB of W, kept in L1/L2) is run against every tile of kRows rows of x.
 //
 // x [M, K] float32 with a contiguous last dim, K a multiple of 32; w [N, K / 32 * block bytes] uint8 contiguous.
+// Q4_K and Q6_K (256-weight super-blocks, K a multiple of 256) take the same quantized x into their own
+// kernels (gguf_kquants.cpp).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -33,6 +35,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "gguf_kquants.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -53,7 +57,7 @@ int64_t block_bytes(int64_t qtype) {
     case kQ8_0: return 34;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
-    default: TORCH_CHECK(false, "gguf_linear: GGML type ", qtype, " has no kernel (Q8_0, Q4_0, Q4_1 do)");
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", qtype, " has no kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K do)");
   }
   return 0;
 }
@@ -343,7 +347,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "gguf_linear: x needs a contiguous last dim, w must be contiguous");
   const int64_t rows = x.size(0), k_len = x.size(1), n_out = w.size(0);
   TORCH_CHECK(k_len % kBlock == 0, "gguf_linear: K = ", k_len, " is not a multiple of 32");
-  const int64_t row_bytes = k_len / kBlock * block_bytes(qtype);
+  const int64_t super_bytes = raytp::kquant_block_bytes(qtype);  // 0: a 32-block type
+  TORCH_CHECK(super_bytes == 0 || k_len % raytp::kSuper == 0, "gguf_linear: K = ", k_len,
+              " is not a multiple of 256 (a K-quant super-block)");
+  const int64_t row_bytes = super_bytes ? k_len / raytp::kSuper * super_bytes : k_len / kBlock * block_bytes(qtype);
   TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: w rows hold ", w.size(1), " bytes, K = ", k_len, " needs ", row_bytes);
   const int64_t nb = k_len / kBlock;
   QuantX qx{std::vector<int8_t>(rows * k_len), std::vector<float>(rows * nb), std::vector<float>(rows * nb),
@@ -352,7 +359,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
   const int64_t ldx = x.stride(0);
   bool vnni = false;
 #if defined(__AVX2__) && defined(__FMA__)
-  vnni = use_vnni();
+  vnni = super_bytes == 0 && use_vnni();  // the K-quant kernels read qx as it is
 #endif
   if (vnni) {
     qx.qv.resize(rows * k_len);
@@ -375,6 +382,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
     case kQ8_0: run<kQ8_0>(qx, rows, k_len, wp, row_bytes, n_out, op); break;
     case kQ4_0: run<kQ4_0>(qx, rows, k_len, wp, row_bytes, n_out, op); break;
     case kQ4_1: run<kQ4_1>(qx, rows, k_len, wp, row_bytes, n_out, op); break;
+    case raytp::kQ4_K:
+    case raytp::kQ6_K:
+      raytp::kquant_linear(qtype, qx.q.data(), qx.d.data(), qx.s.data(), rows, k_len, wp, n_out, op);
+      break;
     default: block_bytes(qtype);  // raises
   }
   return out;

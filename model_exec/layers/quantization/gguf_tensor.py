@@ -6,19 +6,38 @@ tensor's logical `shape` and the few view operations the loaders use to cut a ra
 tensor-parallel sharding are the same code for float and quantized weights. Anything else that reaches a
 GGUFTensor (a norm, an expert, a cut between blocks) gets its exact float values through `dequantize()`.
 
-Block layouts and the dequantization of the three kernel types are GGML's (ggml-quants.c); the `gguf`
-package's numpy `dequantize` is the reference for every type, these only serve embedding lookups.
+Block layouts and the dequantization of the kernel types are GGML's (ggml-quants.c); the `gguf` package's
+numpy `dequantize` is the reference for every type, these only serve embedding lookups. Q8_0/Q4_0/Q4_1 have
+blocks of 32 weights, Q4_K/Q6_K super-blocks of 256: a cut along the input features keeps blocks only on
+its type's block boundaries.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-# GGML type ids (gguf.GGMLQuantizationType) with a kernel in ops/csrc/gguf_gemm.cpp -> (name, bytes per block)
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-KERNEL_TYPES: dict[int, tuple[str, int]] = {Q4_0: ("Q4_0", 18), Q4_1: ("Q4_1", 20), Q8_0: ("Q8_0", 34)}
-BLOCK = 32  # weights per block for all three
+from model_exec.layers.quantization.gguf_kquants import dequantize_kquant_rows
+
+
+class KernelType(NamedTuple):
+    name: str
+    block: int  # weights per block
+    bytes: int  # bytes per block
+
+
+# GGML type ids (gguf.GGMLQuantizationType) with a kernel in ops/csrc/gguf_gemm.cpp (Q4_K, Q6_K: gguf_kquants.cpp)
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+KERNEL_TYPES: dict[int, KernelType] = {
+    Q4_0: KernelType("Q4_0", 32, 18),
+    Q4_1: KernelType("Q4_1", 32, 20),
+    Q8_0: KernelType("Q8_0", 32, 34),
+    Q4_K: KernelType("Q4_K", 256, 144),
+    Q6_K: KernelType("Q6_K", 256, 210),
+}
+BLOCK = 32  # weights per block of Q8_0 (int8's own blocks) and the other 32-block types
 
 
 class GGUFTensor:
@@ -27,15 +46,16 @@ class GGUFTensor:
     def __init__(self, raw: torch.Tensor, qtype: int, in_features: int) -> None:
         if qtype not in KERNEL_TYPES:
             raise ValueError(f"GGML type {qtype} is not kept in blocks")
-        if raw.dtype != torch.uint8 or raw.dim() != 2 or in_features % BLOCK:
-            raise ValueError("GGUFTensor wants uint8 rows of whole 32-weight blocks")
-        if raw.shape[1] != in_features // BLOCK * KERNEL_TYPES[qtype][1]:
+        kind = KERNEL_TYPES[qtype]
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or in_features % kind.block:
+            raise ValueError(f"GGUFTensor wants uint8 rows of whole {kind.block}-weight {kind.name} blocks")
+        if raw.shape[1] != in_features // kind.block * kind.bytes:
             raise ValueError(f"{raw.shape[1]} bytes per row do not hold {in_features} {self.type_name} weights")
         self.raw, self.qtype, self.in_features = raw, qtype, in_features
 
     @property
     def type_name(self) -> str:
-        return KERNEL_TYPES[self.qtype][0]
+        return KERNEL_TYPES[self.qtype].name
 
     @property
     def shape(self) -> torch.Size:
@@ -51,10 +71,11 @@ class GGUFTensor:
             return GGUFTensor(self.raw.narrow(0, start, length), self.qtype, self.in_features)
         if dim != 1:
             raise IndexError(f"a GGUF matrix has 2 dims, not {dim + 1}")
-        if start % BLOCK or length % BLOCK:
+        kind = KERNEL_TYPES[self.qtype]
+        if start % kind.block or length % kind.block:  # inside a (super-)block
             return self.dequantize().narrow(1, start, length)
-        bb = KERNEL_TYPES[self.qtype][1]
-        return GGUFTensor(self.raw.narrow(1, start // BLOCK * bb, length // BLOCK * bb), self.qtype, length)
+        first, count = start // kind.block * kind.bytes, length // kind.block * kind.bytes
+        return GGUFTensor(self.raw.narrow(1, first, count), self.qtype, length)
 
     def split(self, sizes: list[int], dim: int = 0) -> tuple[GGUFTensor, ...]:
         if dim != 0:
@@ -77,8 +98,10 @@ class GGUFTensor:
 def dequantize_rows(raw: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     """float32 [rows, K] from block-layout rows `raw` [rows, bytes]: the same values as `GGUFTensor.dequantize`,
     in torch ops (an embedding lookup's few rows per step)."""
+    if KERNEL_TYPES[qtype].block != BLOCK:
+        return dequantize_kquant_rows(raw, qtype, in_features)
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, in_features // BLOCK, KERNEL_TYPES[qtype][1])
+    blocks = raw.reshape(rows, in_features // BLOCK, KERNEL_TYPES[qtype].bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
     if qtype == Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
