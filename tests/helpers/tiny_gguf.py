@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers.kquants import Q4_K, Q6_K, quantize_kquant
 from tests.helpers.tiny_models import BOS_ID, CHAT_TEMPLATE, EOS_ID
 
 # HF model_type -> GGUF general.architecture (what llama.cpp names it)
@@ -166,7 +167,8 @@ def write_tiny_gguf(
     converter writes them from a generation_config.json; `eot_id`: an end-of-turn token id (Llama 3's
     <|eot_id|>), which llama.cpp stops at as it stops at EOS. `quant_types`: GGUF tensor-name substring ->
     gguf.GGMLQuantizationType, the first match quantizes a 2-D tensor with whole blocks in its rows (by the
-    `gguf` package's own quantizer, as llama.cpp's converter writes Q8_0); the rest stay F32.
+    `gguf` package's own quantizer, as llama.cpp's converter writes Q8_0; Q4_K / Q6_K by tests.helpers.kquants);
+    the rest stay F32.
     """
     import gguf
 
@@ -187,7 +189,10 @@ def write_tiny_gguf(
         array = np.ascontiguousarray(array, dtype=np.float32)
         qtype = next((q for key, q in (quant_types or {}).items() if key in name), None)
         if qtype is not None and array.ndim == 2 and array.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            if int(qtype) in (Q4_K, Q6_K):  # the `gguf` package cannot quantize these: the tests' own writer
+                writer.add_tensor(name, quantize_kquant(array, int(qtype)), raw_dtype=qtype)
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
