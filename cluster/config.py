@@ -19,8 +19,8 @@ from scheduler.speculative import SpeculativeConfig
 
 _GiB = 1 << 30
 _DTYPES = ("auto", *DTYPE_NAMES)
-# weight quantizations (model_exec/layers/quantization): gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on the
-# CPU; int8 quantizes a float checkpoint's linear layers at load (CPU); fp8 runs FP8 linear layers on CUDA >= 8.9
+# weight quantizations (model_exec/layers/quantization): gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on
+# the CPU; int8 quantizes a float checkpoint's linear layers at load (CPU); fp8 runs FP8 linear layers on CUDA >= 8.9
 # in bfloat16 (quantized at load, or a pre-quantized FP8 checkpoint); none loads every weight as floats (a GGUF
 # dequantized: the reference the block kernels are checked against)
 QUANTIZATIONS = ("fp8", "gguf", "int8", "none")
@@ -95,8 +95,8 @@ class EngineConfig:
     quantization: str | None = _opt(
         None,
         "weight quantization: default none (float weights; a GGUF dequantized); gguf (a GGUF keeps its "
-        "Q8_0/Q4_0/Q4_1 blocks on the CPU in float32; refused where it cannot run); int8 (weight-only, scales "
-        "per 32 weights computed at load; CPU float32); fp8 (FP8 weights per channel and activations per token on "
+        "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on the CPU in float32; refused where it cannot run); int8 (weight-only, "
+        "scales per 32 weights computed at load; CPU float32); fp8 (FP8 weights per channel and activations per token on "
         "CUDA compute capability >= 8.9, dtype bfloat16; a pre-quantized FP8 checkpoint selects it by itself)",
         QUANTIZATIONS,
     )

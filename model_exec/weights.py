@@ -30,7 +30,8 @@ def iter_weights(src: ModelSource, keep_gguf_blocks: bool = False) -> Iterator[t
     """Yield (HF checkpoint name, full CPU tensor) one tensor at a time.
 
     `keep_gguf_blocks` (a GGUF file, layers built under `quantization.gguf.GGUFConfig`): matrices of the types
-    the block kernels run (Q8_0, Q4_0, Q4_1) come as `GGUFTensor`s in their file layout, the rest as floats."""
+    the block kernels run (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) come as `GGUFTensor`s in their file layout, the rest as
+    floats."""
     if src.kind == "gguf":
         yield from _iter_gguf(src, keep_gguf_blocks)
     else:

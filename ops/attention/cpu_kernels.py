@@ -1,6 +1,6 @@
 """The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
-`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`,
-`../csrc/gguf_gemm.cpp`, `../csrc/gguf_kquants.cpp`), compiled into one library once per machine at first use and cached.
+`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`, `../csrc/gguf_gemm.cpp`, `../csrc/gguf_kquants.cpp`), compiled
+into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so concurrent

@@ -57,9 +57,9 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     ql = (q[..., :64] & 0x0F) | ((q[..., 64:] & 0x0F) << 4)  # byte i: weight i low, weight 64 + i high
     hi = (q >> 4).reshape(n, 2, 4, 32)  # weights 32s..32s+31 in bits 2s..2s+1 of bytes 0..31
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    return np.concatenate(
-        (ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)), axis=-1
-    ).astype(np.uint8)
+    return np.concatenate((ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)), axis=-1).astype(
+        np.uint8
+    )
 
 
 def quantize_kquant(weights: np.ndarray, qtype: int) -> np.ndarray:

@@ -77,7 +77,9 @@ def test_blocks_are_kept_and_follow_the_dequantized_reference(path: str) -> None
     assert embed.gguf_weight is not None and embed.gguf_weight[0] == int(T.Q6_K)
     assert kept.lm_head.gguf_weight is embed.gguf_weight  # type: ignore[union-attr]
     reference, _ = _load(path, keep=False)
-    _close(our_prefill_logits(kept, config, PREFILL_PROMPTS), our_prefill_logits(reference, config, PREFILL_PROMPTS), 0.98)
+    _close(
+        our_prefill_logits(kept, config, PREFILL_PROMPTS), our_prefill_logits(reference, config, PREFILL_PROMPTS), 0.98
+    )
 
 
 def test_tensor_parallel_cuts_inside_a_super_block_run_as_floats(path: str) -> None:
@@ -108,7 +110,9 @@ def test_engine_greedy_tokens_follow_the_dequantized_run(path: str) -> None:
     prompts = [p for p in (*PREFILL_PROMPTS, *ENGINE_PROMPTS) if len(p) > 1]
     runs = {}
     for quantization in ("gguf", "none"):
-        llm = LLM(path, quantization=quantization, distributed_executor_backend="inprocess", kv_cache_memory_bytes=1 << 24)
+        llm = LLM(
+            path, quantization=quantization, distributed_executor_backend="inprocess", kv_cache_memory_bytes=1 << 24
+        )
         try:
             assert llm.llm_engine.executor.worker.shard.quantization == quantization
             runs[quantization] = _greedy(llm, prompts, 12, 5)

@@ -71,7 +71,9 @@ def test_the_test_blocks_are_ggml_layout(qtype: T) -> None:
     back = torch.from_numpy(dequantize(raw, qtype)).reshape(23, 512)
     err = (back - w).abs().amax() / w.abs().amax()
     assert float(err) < (0.07 if qtype == T.Q4_K else 0.02), err
-    assert float(torch.corrcoef(torch.stack((back.flatten(), w.flatten())))[0, 1]) > (0.99 if qtype == T.Q4_K else 0.999)
+    assert float(torch.corrcoef(torch.stack((back.flatten(), w.flatten())))[0, 1]) > (
+        0.99 if qtype == T.Q4_K else 0.999
+    )
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -1,5 +1,6 @@
-"""GGUF weights kept in their block layout on the CPU (Q8_0, Q4_0, Q4_1): `ops/csrc/gguf_gemm.cpp` multiplies
-with them directly, so a decode step reads the file's bytes per weight (0.625 for Q4_1) instead of fp32's 4.
+"""GGUF weights kept in their block layout on the CPU (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): `ops/csrc/gguf_gemm.cpp`
+(and `gguf_kquants.cpp` for the K-quants) multiplies with them directly, so a decode step reads the file's
+bytes per weight (0.625 for Q4_1, 0.5625 for Q4_K, 0.82 for Q6_K) instead of fp32's 4.
 
 A layer's rows arrive per checkpoint tensor (q, k and v separately for a fused qkv_proj) and each may have
 its own GGML type (Q4_K_M files mix types inside one fused layer), so the method collects parts and, after
