@@ -51,6 +51,10 @@ def main() -> None:
 
     from model_exec.layers import cpu_gemm
     from model_exec.layers.quantization.gguf import gguf_linear
+    from ops.attention import cpu_kernels
+
+    error = cpu_kernels.load_error()
+    assert error is None, error
 
     torch.manual_seed(0)
     mats = [(name, torch.randn(*shape) * 0.02) for _ in range(args.layers) for name, shape in LAYER.items()]
