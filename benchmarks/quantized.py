@@ -113,6 +113,7 @@ def main() -> None:
             distributed_executor_backend="inprocess",
         )
         rss[name] = (before, rss_mb())
+        print(f"loaded {name}: RSS {rss[name][0]:.0f} -> {rss[name][1]:.0f} MB", flush=True)
     tok = next(iter(engines.values())).get_tokenizer()
     text_ids = tok.encode(TEXT.read_text())
     prompt = text_ids[:N_PROMPT]
@@ -127,6 +128,8 @@ def main() -> None:
             t_total = time_request(llm, prompt, N_GEN + 1)
             prefill[name].append(N_PROMPT / t_prefill)
             decode[name].append(1000 * (t_total - t_prefill) / N_GEN)
+            # as it goes: on a loaded machine a run may be stopped before its table
+            print(f"round {len(decode[name])} {name}: decode {decode[name][-1]:.2f} ms/token", flush=True)
         if args.llamacpp_python:
             got = llamacpp_round(args.llamacpp_python, src.gguf_path, args.threads)
             if got is not None:
