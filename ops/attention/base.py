@@ -20,8 +20,11 @@ A backend that cannot honour one raises ValueError at construction, naming it (n
 
 from __future__ import annotations
 
+import importlib
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -86,6 +89,7 @@ class AttentionBackend(ABC):
     # read only as an upper bound (captures pass max_model_len; model_exec/cuda_graphs.py). Rows past the
     # real batch are padding whose slots and block tables point at a pad block the scheduler never hands out.
     cuda_graph_capturable: bool = False
+    _requirement: str = ""  # its row's pip requirement, named when its package does not import (`_import`)
     _row_dtypes: tuple[torch.dtype, ...] = ()  # its row's dtypes, for backends that check them (`_check_dtypes`)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -96,6 +100,7 @@ class AttentionBackend(ABC):
             cls.supports_logits_soft_cap = row.logits_soft_cap
             cls.cuda_graph_capturable = row.capturable
             cls._row_dtypes = tuple(torch_dtype(n) for n in row.dtypes)
+            cls._requirement = row.requirement
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -136,6 +141,17 @@ class AttentionBackend(ABC):
     def _prepare(self) -> None:  # noqa: B027 - optional hook
         """The backend's own set-up, once the base fields are set (and checked): e.g. import its kernels,
         refuse a head_dim they cannot take (ValueError)."""
+
+    def _import(self, module: str) -> ModuleType:
+        """Import a module the backend's kernels need, at construction (never at module import, so CPU machines
+        import every backend file); ValueError naming the row's pip requirement when it does not import."""
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            package = re.split(r"[<>=!~\[ ]", self._requirement, maxsplit=1)[0]
+            raise ValueError(
+                f"attention_backend={self.name!r} needs the {package} package (pip install {self._requirement}): {exc}"
+            ) from exc
 
     def forward(
         self,

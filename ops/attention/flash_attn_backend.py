@@ -52,18 +52,11 @@ class FlashAttnBackend(AttentionBackend):
     # sync-free with tensor-only inputs (vLLM captures the same call); max_seq_len is not read there.
 
     def _prepare(self) -> None:
-        try:
-            import flash_attn
-            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        except ImportError as exc:
-            raise ValueError(
-                "attention_backend='flash_attn' needs the flash-attn package "
-                f"(pip install flash-attn>=2.6): {exc}"
-            ) from exc
+        flash_attn = self._import("flash_attn")
         if self.head_dim > 256 or self.head_dim % 8 != 0:
             raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {self.head_dim}.")
-        self._varlen: Any = flash_attn_varlen_func
-        self._with_kvcache: Any = flash_attn_with_kvcache
+        self._varlen: Any = flash_attn.flash_attn_varlen_func
+        self._with_kvcache: Any = flash_attn.flash_attn_with_kvcache
         # Passed only when set, so a layer without either option runs on any flash-attn 2.x.
         self._options: dict[str, Any] = {}
         if self.sliding_window is not None:

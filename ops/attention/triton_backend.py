@@ -81,12 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _prepare(self) -> None:
         if self.head_dim > _MAX_HEAD_DIM:
             raise ValueError(f"attention_backend='triton' supports head_dim <= {_MAX_HEAD_DIM}; got {self.head_dim}.")
-        try:
-            from ops.attention import triton_kernels
-        except ImportError as exc:
-            raise ValueError(f"attention_backend='triton' needs the triton package (pip install triton): {exc}") \
-                from exc
-        self._kernels: ModuleType = triton_kernels
+        self._kernels: ModuleType = self._import("ops.attention.triton_kernels")
         self._group = self.num_heads // self.num_kv_heads
         self._head_dim_p = _pow2_at_least(self.head_dim, 16)
 

@@ -84,14 +84,7 @@ class XFormersBackend(AttentionBackend):
     name = "xformers"
 
     def _prepare(self) -> None:
-        try:
-            from xformers.ops import fmha
-        except ImportError as exc:
-            raise ValueError(
-                "attention_backend='xformers' needs the xformers package "
-                f"(pip install xformers>=0.0.28): {exc}"
-            ) from exc
-        self._fmha: Any = fmha
+        self._fmha: Any = self._import("xformers.ops").fmha
         self._group = self.num_heads // self.num_kv_heads
 
     def _attend(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata) -> torch.Tensor:
