@@ -16,7 +16,7 @@ bodies, so a batch line accepts exactly what the HTTP server accepts.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -293,13 +293,23 @@ class CompletionChoice(OpenAIModel):
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
 
 
-class CompletionResponse(OpenAIModel):
+ChoiceT = TypeVar("ChoiceT", bound=OpenAIModel)
+
+
+class ChoicesResponse(OpenAIModel, Generic[ChoiceT]):
+    """The envelope OpenAI's completion, chat completion and chat chunk objects share; each class names its
+    `object` (a subclass's field keeps its place here, so the JSON order stays OpenAI's)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[ChoiceT]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(ChoicesResponse[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
 
 
 class TopLogprob(OpenAIModel):
@@ -331,13 +341,8 @@ class ChatChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class ChatStreamChoice(OpenAIModel):
@@ -349,13 +354,8 @@ class ChatStreamChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(OpenAIModel):
-    id: str
+class ChatCompletionChunk(ChoicesResponse[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(OpenAIModel):
