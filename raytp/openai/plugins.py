@@ -17,10 +17,14 @@ class PluginTable(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._rows)
 
-    def create(self, name: str) -> T:
-        """A new instance of the plug-in `name`; ValueError listing the registered names for any other."""
+    def check(self, name: str) -> None:
+        """ValueError listing the registered names unless `name` is one (a config refuses it at start)."""
         if name not in self._rows:
             raise ValueError(f"unknown {self._kind} {name!r}; registered: {', '.join(self.names())}")
+
+    def create(self, name: str) -> T:
+        """A new instance of the plug-in `name` (ValueError as `check` for any other)."""
+        self.check(name)
         module, cls = self._rows[name]
         plugin: T = getattr(importlib.import_module(module), cls)()
         return plugin

@@ -285,12 +285,20 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
+LogprobsT = TypeVar("LogprobsT", bound=OpenAIModel)
+
+
+class Choice(OpenAIModel, Generic[LogprobsT]):
+    """What every choice object carries beside its content (a subclass adds `text`, `message` or `delta`)."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: LogprobsT | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
+
+
+class CompletionChoice(Choice[CompletionLogprobs]):
+    text: str
 
 
 ChoiceT = TypeVar("ChoiceT", bound=OpenAIModel)
@@ -333,25 +341,17 @@ class ChatMessageOut(OpenAIModel):
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
-class ChatChoice(OpenAIModel):
-    index: int
+class ChatChoice(Choice[ChatLogprobs]):
     message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
 
 
-class ChatStreamChoice(OpenAIModel):
-    index: int
+class ChatStreamChoice(Choice[ChatLogprobs]):
     # {"role": ...} first, then {"content": ...}, {"reasoning_content": ...} or {"tool_calls": [...]}; {} at the end
     delta: dict[str, Any]
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(ChoicesResponse[ChatStreamChoice]):

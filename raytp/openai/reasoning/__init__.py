@@ -5,9 +5,9 @@ from __future__ import annotations
 from raytp.openai.plugins import PluginTable
 from raytp.openai.reasoning.base import ReasoningParser, ReasoningStream, Split
 
-__all__ = ["ReasoningParser", "ReasoningStream", "Split", "get_reasoning_parser", "reasoning_parser_names"]
+__all__ = ["ReasoningParser", "ReasoningStream", "Split", "REASONING_PARSERS"]
 
-_PARSERS: PluginTable[ReasoningParser] = PluginTable(
+REASONING_PARSERS: PluginTable[ReasoningParser] = PluginTable(
     "reasoning parser",
     {
         "deepseek_r1": ("raytp.openai.reasoning.deepseek_r1", "DeepSeekR1ReasoningParser"),
@@ -15,10 +15,3 @@ _PARSERS: PluginTable[ReasoningParser] = PluginTable(
     },
 )
 
-
-def reasoning_parser_names() -> list[str]:
-    return _PARSERS.names()
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    return _PARSERS.create(name)

@@ -1,7 +1,7 @@
 """Tool-call parsers by name, as `--tool-call-parser NAME` picks them (vLLM's ToolParserManager names).
 
 Each parser lives in its own module, imported only when named. Adding one is a module with a
-`ToolParser` subclass and one line in `_PARSERS`.
+`ToolParser` subclass and one row in `TOOL_PARSERS`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from raytp.openai.plugins import PluginTable
 from raytp.openai.tool_parsers.base import CallSnapshot, Snapshot, ToolCallStream, ToolParser
 
-__all__ = ["CallSnapshot", "Snapshot", "ToolCallStream", "ToolParser", "get_tool_parser", "tool_parser_names"]
+__all__ = ["CallSnapshot", "Snapshot", "ToolCallStream", "ToolParser", "TOOL_PARSERS"]
 
-_PARSERS: PluginTable[ToolParser] = PluginTable(
+TOOL_PARSERS: PluginTable[ToolParser] = PluginTable(
     "tool-call parser",
     {
         "hermes": ("raytp.openai.tool_parsers.hermes", "HermesToolParser"),
@@ -20,11 +20,3 @@ _PARSERS: PluginTable[ToolParser] = PluginTable(
     },
 )
 
-
-def tool_parser_names() -> list[str]:
-    return _PARSERS.names()
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """A new parser (parsers keep no state, but streams do: one ToolCallStream per sample)."""
-    return _PARSERS.create(name)
