@@ -88,10 +88,16 @@ class MetricDef:
     help: str
     labels: tuple[str, ...] = ENGINE_LABELS
     buckets: tuple[float, ...] = ()  # histograms only: upper bounds, strictly increasing (+Inf is implicit)
+    # "record.field": the field of a stats record (cluster/metrics/stats.py; records in SOURCES) that the recorder
+    # reads it from, each record's metrics recorded by one loop (a gauge set, a counter added, a histogram
+    # observed); "": recorded by a method of its own in ray_metrics.py (labels beyond the engine's, lists).
+    source: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.startswith("raytp:"):
             raise ValueError(f"{self.name}: raytp metric names start with 'raytp:'")
+        if self.source and self.source.split(".")[0] not in SOURCES:
+            raise ValueError(f"{self.name}: source {self.source!r} names no record of {', '.join(SOURCES)}")
         if (self.kind == "histogram") != bool(self.buckets):
             raise ValueError(f"{self.name}: histograms, and only histograms, have buckets")
         if any(b >= c for b, c in zip(self.buckets, self.buckets[1:], strict=False)):
@@ -129,24 +135,42 @@ class MetricDef:
         return (self.series,)
 
 
+# The stats records whose metrics are read field by field (`MetricDef.source`): SchedulerStats, IterationStats,
+# SpecDecodingStats and each finished request's FinishedRequestStats.
+SOURCES: tuple[str, ...] = ("scheduler", "iteration", "spec_decoding", "finished")
+
+
 def _engine(
-    name: str, kind: MetricKind, help: str, buckets: tuple[float, ...] = (), extra: tuple[str, ...] = ()
+    name: str,
+    kind: MetricKind,
+    help: str,
+    buckets: tuple[float, ...] = (),
+    extra: tuple[str, ...] = (),
+    source: str = "",
 ) -> MetricDef:
-    return MetricDef(f"raytp:{name}", kind, help, ENGINE_LABELS + extra, buckets)
+    return MetricDef(f"raytp:{name}", kind, help, ENGINE_LABELS + extra, buckets, source)
 
 
 METRICS: tuple[MetricDef, ...] = (
     # Scheduler state: recorded by the controller after each schedule() (gauges).
-    _engine("num_requests_running", "gauge", "Number of requests in model execution batches."),
-    _engine("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
-    _engine("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory."),
-    _engine("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    _engine("num_requests_running", "gauge", "Number of requests in model execution batches.",
+            source="scheduler.num_running_reqs"),
+    _engine("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+            source="scheduler.num_waiting_reqs"),
+    _engine("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.",
+            source="scheduler.num_swapped_reqs"),
+    _engine("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+            source="scheduler.kv_cache_usage"),
     # Counters.
-    _engine("prompt_tokens", "counter", "Number of prefill tokens processed."),
-    _engine("generation_tokens", "counter", "Number of generation tokens processed."),
-    _engine("num_preemptions", "counter", "Cumulative number of preemption from the engine."),
-    _engine("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
-    _engine("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    _engine("prompt_tokens", "counter", "Number of prefill tokens processed.", source="iteration.num_prompt_tokens"),
+    _engine("generation_tokens", "counter", "Number of generation tokens processed.",
+            source="iteration.num_generation_tokens"),
+    _engine("num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+            source="iteration.num_preempted_reqs"),
+    _engine("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+            source="scheduler.prefix_cache_queries"),
+    _engine("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+            source="scheduler.prefix_cache_hits"),
     _engine(
         "request_success", "counter", "Count of successfully processed requests.", extra=("finished_reason",)
     ),
@@ -161,38 +185,47 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _engine(
         "e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
-        REQUEST_LATENCY_BUCKETS,
+        REQUEST_LATENCY_BUCKETS, source="finished.e2e_latency",
     ),
     _engine(
         "request_queue_time_seconds", "histogram", "Histogram of time spent in WAITING phase for request.",
-        REQUEST_LATENCY_BUCKETS,
+        REQUEST_LATENCY_BUCKETS, source="finished.queued_time",
     ),
     _engine(
         "request_prefill_time_seconds", "histogram", "Histogram of time spent in PREFILL phase for request.",
-        REQUEST_LATENCY_BUCKETS,
+        REQUEST_LATENCY_BUCKETS, source="finished.prefill_time",
     ),
     _engine(
         "request_decode_time_seconds", "histogram", "Histogram of time spent in DECODE phase for request.",
-        REQUEST_LATENCY_BUCKETS,
+        REQUEST_LATENCY_BUCKETS, source="finished.decode_time",
     ),
-    _engine("request_prompt_tokens", "histogram", "Number of prefill tokens processed.", REQUEST_TOKENS_BUCKETS),
     _engine(
-        "request_generation_tokens", "histogram", "Number of generation tokens processed.", REQUEST_TOKENS_BUCKETS
+        "request_prompt_tokens", "histogram", "Number of prefill tokens processed.", REQUEST_TOKENS_BUCKETS,
+        source="finished.num_prompt_tokens",
+    ),
+    _engine(
+        "request_generation_tokens", "histogram", "Number of generation tokens processed.", REQUEST_TOKENS_BUCKETS,
+        source="finished.num_generation_tokens",
     ),
     _engine(
         "iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
         ITERATION_TOKENS_BUCKETS,
     ),
-    _engine("request_params_n", "histogram", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
+    _engine(
+        "request_params_n", "histogram", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS,
+        source="finished.n_param",
+    ),
     _engine(
         "request_params_max_tokens", "histogram", "Histogram of the max_tokens request parameter.",
         REQUEST_TOKENS_BUCKETS,
     ),
     # Speculative decoding (vLLM V1's SpecDecodingProm): only engines with a speculative_config record them.
     # A draft is one row that carried proposals; `position` is the proposal's index in its draft, 0 to k - 1.
-    _engine("spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
-    _engine("spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
-    _engine("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens."),
+    _engine("spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", source="spec_decoding.num_drafts"),
+    _engine("spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
+            source="spec_decoding.num_draft_tokens"),
+    _engine("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
+            source="spec_decoding.num_accepted_tokens"),
     _engine(
         "spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
         extra=("position",),
