@@ -152,25 +152,30 @@ def _engine(
 
 
 METRICS: tuple[MetricDef, ...] = (
-    # Scheduler state: recorded by the controller after each schedule() (gauges).
-    _engine("num_requests_running", "gauge", "Number of requests in model execution batches.",
-            source="scheduler.num_running_reqs"),
-    _engine("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-            source="scheduler.num_waiting_reqs"),
-    _engine("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.",
-            source="scheduler.num_swapped_reqs"),
-    _engine("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-            source="scheduler.kv_cache_usage"),
-    # Counters.
-    _engine("prompt_tokens", "counter", "Number of prefill tokens processed.", source="iteration.num_prompt_tokens"),
-    _engine("generation_tokens", "counter", "Number of generation tokens processed.",
-            source="iteration.num_generation_tokens"),
-    _engine("num_preemptions", "counter", "Cumulative number of preemption from the engine.",
-            source="iteration.num_preempted_reqs"),
-    _engine("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
-            source="scheduler.prefix_cache_queries"),
-    _engine("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
-            source="scheduler.prefix_cache_hits"),
+    # Read from SchedulerStats (the controller, after each schedule()): the queues and the KV pool (gauges), the
+    # prefix-cache lookups since the previous record (counters).
+    *(
+        _engine(name, kind, help, source=f"scheduler.{field}")
+        for name, kind, help, field in (
+            ("num_requests_running", "gauge", "Number of requests in model execution batches.", "num_running_reqs"),
+            ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "num_waiting_reqs"),
+            ("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.", "num_swapped_reqs"),
+            ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+            ("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+             "prefix_cache_queries"),
+            ("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+             "prefix_cache_hits"),
+        )
+    ),
+    # Read from IterationStats (the output path, once per step): counters.
+    *(
+        _engine(name, "counter", help, source=f"iteration.{field}")
+        for name, help, field in (
+            ("prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens"),
+            ("generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+            ("num_preemptions", "Cumulative number of preemption from the engine.", "num_preempted_reqs"),
+        )
+    ),
     _engine(
         "request_success", "counter", "Count of successfully processed requests.", extra=("finished_reason",)
     ),
@@ -183,37 +188,28 @@ METRICS: tuple[MetricDef, ...] = (
         "inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
         INTER_TOKEN_LATENCY_BUCKETS,
     ),
-    _engine(
-        "e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
-        REQUEST_LATENCY_BUCKETS, source="finished.e2e_latency",
-    ),
-    _engine(
-        "request_queue_time_seconds", "histogram", "Histogram of time spent in WAITING phase for request.",
-        REQUEST_LATENCY_BUCKETS, source="finished.queued_time",
-    ),
-    _engine(
-        "request_prefill_time_seconds", "histogram", "Histogram of time spent in PREFILL phase for request.",
-        REQUEST_LATENCY_BUCKETS, source="finished.prefill_time",
-    ),
-    _engine(
-        "request_decode_time_seconds", "histogram", "Histogram of time spent in DECODE phase for request.",
-        REQUEST_LATENCY_BUCKETS, source="finished.decode_time",
-    ),
-    _engine(
-        "request_prompt_tokens", "histogram", "Number of prefill tokens processed.", REQUEST_TOKENS_BUCKETS,
-        source="finished.num_prompt_tokens",
-    ),
-    _engine(
-        "request_generation_tokens", "histogram", "Number of generation tokens processed.", REQUEST_TOKENS_BUCKETS,
-        source="finished.num_generation_tokens",
+    # Read from each finished request's FinishedRequestStats: histograms.
+    *(
+        _engine(name, "histogram", help, buckets, source=f"finished.{field}")
+        for name, help, buckets, field in (
+            ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS,
+             "e2e_latency"),
+            ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+             REQUEST_LATENCY_BUCKETS, "queued_time"),
+            ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+             REQUEST_LATENCY_BUCKETS, "prefill_time"),
+            ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+             REQUEST_LATENCY_BUCKETS, "decode_time"),
+            ("request_prompt_tokens", "Number of prefill tokens processed.", REQUEST_TOKENS_BUCKETS,
+             "num_prompt_tokens"),
+            ("request_generation_tokens", "Number of generation tokens processed.", REQUEST_TOKENS_BUCKETS,
+             "num_generation_tokens"),
+            ("request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS, "n_param"),
+        )
     ),
     _engine(
         "iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
         ITERATION_TOKENS_BUCKETS,
-    ),
-    _engine(
-        "request_params_n", "histogram", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS,
-        source="finished.n_param",
     ),
     _engine(
         "request_params_max_tokens", "histogram", "Histogram of the max_tokens request parameter.",
@@ -221,11 +217,15 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     # Speculative decoding (vLLM V1's SpecDecodingProm): only engines with a speculative_config record them.
     # A draft is one row that carried proposals; `position` is the proposal's index in its draft, 0 to k - 1.
-    _engine("spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", source="spec_decoding.num_drafts"),
-    _engine("spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
-            source="spec_decoding.num_draft_tokens"),
-    _engine("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
-            source="spec_decoding.num_accepted_tokens"),
+    # Read from SpecDecodingStats: counters.
+    *(
+        _engine(f"spec_decode_{field}", "counter", help, source=f"spec_decoding.{field}")
+        for field, help in (
+            ("num_drafts", "Number of spec decoding drafts."),
+            ("num_draft_tokens", "Number of draft tokens."),
+            ("num_accepted_tokens", "Number of accepted tokens."),
+        )
+    ),
     _engine(
         "spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
         extra=("position",),
