@@ -211,10 +211,40 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
             "prompt_lookup_min",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
-        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}, "draft model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
+        ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "draft_model\" only"),
+        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "ngram"),
+        ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "must be a path"),
         ({"num_speculative_tokens": 2}, "method"),
     ],
 )
 def test_a_bad_config_is_refused_by_name(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(raw)
+
+
+def test_a_draft_model_config_reads_vllms_spellings() -> None:
+    """vLLM's `{"model": PATH}` without a method names a draft model; `{"model": "[ngram]"}` prompt lookup."""
+    draft = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m", 3)
+    ngram = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert (ngram.method, ngram.model, ngram.prompt_lookup_min) == ("ngram", None, 2)
+
+
+def test_draft_model_rows_carry_placeholders_under_the_same_limits() -> None:
+    """With a draft model the scheduler cannot know the proposals: it schedules k placeholders (rank 0's draft
+    fills them), never past max_tokens, and the accepted run is applied as for n-gram proposals."""
+    from scheduler.outputs import PLACEHOLDER_TOKEN
+
+    spec = {"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}
+    sched, _, bm = make(spec=spec)
+    add(sched, "0", [5, 6, 7], max_tokens=3, ignore_eos=True)
+    so = sched.schedule()  # the prompt
+    sched.update(so, ModelRunnerOutput(samples={so.num_samples.popitem()[0]: SeqSample([9], [-1.0])}))
+    so = sched.schedule()
+    [(seq_id, drafts)] = so.spec_token_ids.items()
+    assert drafts == [PLACEHOLDER_TOKEN]  # 3 tokens allowed, 1 out: the target's own after one proposal is the last
+    sched.update(so, ModelRunnerOutput(samples={seq_id: SeqSample([4, 8], [-1.0, -1.0])}))
+    [group] = sched.take_finished()
+    assert group.seqs[0].output_token_ids == [9, 4, 8]
+    assert sched.spec_num_accepted_tokens == 1 and bm.num_free_device_blocks == bm.num_device_blocks
