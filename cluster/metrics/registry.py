@@ -135,6 +135,17 @@ class MetricDef:
         return (self.series,)
 
 
+# (name, kind, help, SchedulerStats field): the metrics read from SchedulerStats.
+_SCHEDULER_ROWS: tuple[tuple[str, MetricKind, str, str], ...] = (
+    ("num_requests_running", "gauge", "Number of requests in model execution batches.", "num_running_reqs"),
+    ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "num_waiting_reqs"),
+    ("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.", "num_swapped_reqs"),
+    ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    ("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+)
+
 # The stats records whose metrics are read field by field (`MetricDef.source`): SchedulerStats, IterationStats,
 # SpecDecodingStats and each finished request's FinishedRequestStats.
 SOURCES: tuple[str, ...] = ("scheduler", "iteration", "spec_decoding", "finished")
@@ -156,16 +167,7 @@ METRICS: tuple[MetricDef, ...] = (
     # prefix-cache lookups since the previous record (counters).
     *(
         _engine(name, kind, help, source=f"scheduler.{field}")
-        for name, kind, help, field in (
-            ("num_requests_running", "gauge", "Number of requests in model execution batches.", "num_running_reqs"),
-            ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "num_waiting_reqs"),
-            ("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.", "num_swapped_reqs"),
-            ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
-            ("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
-             "prefix_cache_queries"),
-            ("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
-             "prefix_cache_hits"),
-        )
+        for name, kind, help, field in _SCHEDULER_ROWS
     ),
     # Read from IterationStats (the output path, once per step): counters.
     *(
