@@ -156,7 +156,7 @@ class ModelShard:
     def _load_draft(self, draft: DraftSpec, attn_backend: type[AttentionBackend], dtype: torch.dtype) -> CausalLM:
         source = resolve_model(draft.model)
         model = build_model(draft.model_config, TPGroup.single(), attn_backend, self.device, dtype)
-        model.load_weights(iter_weights(source))  # type: ignore[attr-defined]
+        model.load_weights(iter_weights(source))  # type: ignore[arg-type]  # no GGUF blocks: plain tensors only
         pack_weights(model, panels=self.config.panel_gemm)
         logger.info("rank %d loaded the draft model %s", self.tp.rank, source.name)
         return model
