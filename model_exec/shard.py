@@ -259,6 +259,14 @@ class ModelShard:
             warm_up_decode(
                 self.runner.model, self.cache.device_caches, s.block_size, self.config.max_model_len, self.device
             )
+            if self.runner.draft is not None and self.draft_cache is not None:  # the draft's decodes, warm too
+                warm_up_decode(
+                    self.runner.draft.model,
+                    self.draft_cache.device_caches,
+                    s.block_size,
+                    self.config.max_model_len,
+                    self.device,
+                )
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""
