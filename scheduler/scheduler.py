@@ -417,7 +417,7 @@ class Scheduler:
             out.blocks_to_copy.extend(
                 self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens)
             )
-            self._scheduled.append(_Scheduled(group, seq, n, (drafts or {}).get(seq.seq_id, [])))
+            self._scheduled.append(_Scheduled(group, seq, n, drafts.get(seq.seq_id, []) if drafts else []))
             budget.tokens -= n
             budget.seqs -= 1
 
@@ -572,7 +572,8 @@ class Scheduler:
             group = self._seq_owner.get(seq_id)
             if group is None:
                 continue
-            parent = next(s for s in group.seqs if s.seq_id == seq_id)
+            seqs = group.seqs  # (one sequence but for best_of: no search then)
+            parent = seqs[0] if len(seqs) == 1 else next(s for s in seqs if s.seq_id == seq_id)
             if seq_id in drafted:
                 if group.first_token_time is None:
                     group.first_token_time = now
