@@ -284,7 +284,9 @@ class BlockManager:
         return seq
 
     def _device_seq(self, seq_id: int) -> _SeqBlocks:
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id)  # (not through _seq: twice per decode row per step)
+        if seq is None:
+            raise KeyError(f"seq {seq_id} has no blocks")
         if seq.on_cpu:
             raise ValueError(f"seq {seq_id} is swapped out")
         return seq
@@ -322,7 +324,9 @@ class BlockManager:
         if not 0 <= num_computed <= num_total:
             raise ValueError(f"need 0 <= num_computed_tokens ({num_computed}) <= num_total ({num_total})")
         end = -(-num_total // self.block_size)
-        new = max(0, end - len(seq.table))
+        new = end - len(seq.table)
+        if new < 0:
+            new = 0
         if num_computed == num_total:
             return _NO_BLOCKS, new
         ref_count = self._device.ref_count

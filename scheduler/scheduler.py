@@ -496,9 +496,10 @@ class Scheduler:
                         num_scheduled_tokens=n,
                     )
                 )
-            seq.num_tokens_on_workers = seq.num_tokens
+            num_tokens = seq.num_tokens
+            seq.num_tokens_on_workers = num_tokens
             seq.block_table_on_workers = table
-            if seq.num_computed_tokens + n - len(item.drafts) == seq.num_tokens:
+            if seq.num_computed_tokens + n - len(item.drafts) == num_tokens:
                 out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
                 if seq.constraint is not None:
                     out.structured_seq_ids.append(seq.seq_id)
