@@ -14,7 +14,7 @@ from typing import Literal
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.pooling import pooling_settings, resolve_runner
 from model_exec.config import ModelConfig
-from model_exec.shard_config import ShardConfig
+from model_exec.shard_config import DraftSpec, ShardConfig
 from ops.attention import package_error
 from ops.attention.registry import BACKENDS, auto_candidates, auto_rows, static_reason
 from ops.dtypes import HALF_DTYPES, canonical_dtype
@@ -107,7 +107,9 @@ def resolve_attention(
     return (name,), ()
 
 
-def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedEngineConfig:
+def resolve_config(
+    config: EngineConfig, model_config: ModelConfig, draft: DraftSpec | None = None
+) -> ResolvedEngineConfig:
     """Decide the knobs whose defaults depend on the model or the device, once: the device, the dtype, the
     block size and the attention backend's candidates (from the backend table, cluster/device.py), the lengths;
     and from them the two configs passed whole to the ranks (`shard`) and to the scheduler (`scheduler`)."""
@@ -153,6 +155,7 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> ResolvedE
         max_lora_rank=config.max_lora_rank,
         runner=runner,
         pooler_config=config.pooler_config,
+        draft=draft,
     )
     scheduler = SchedulerConfig(
         max_model_len=max_model_len,

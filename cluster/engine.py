@@ -22,6 +22,7 @@ from typing import Any, cast
 from cluster.async_step import StepPipeline
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import resolve_config
+from cluster.draft import read_draft
 from cluster.executor import Executor
 from cluster.lora_registry import LoadedAdapters
 from cluster.output_processor import OutputProcessor
@@ -38,6 +39,7 @@ from cluster.structured_output import GrammarMatcher, StructuredOutputManager
 from kv import BlockManager
 from model_exec.config import ModelConfig
 from model_exec.generation_config import sampling_defaults
+from model_exec.shard_config import DraftSpec
 from model_exec.source import ModelSource, load_tokenizer, read_model_config, resolve_model
 from request.check import RequestLimits, check_request
 from request.errors import RequestError
@@ -59,15 +61,16 @@ class EngineDeadError(RuntimeError):
     """A worker failed; the engine cannot serve any more requests."""
 
 
-def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
-    """The model as the engine will run it (no weights read), refused (ValueError) when
-    `tensor_parallel_size` cannot split its heads or its generation_config.json holds a value SamplingParams
-    refuses: the one place those checks run, for the engine and for `raytp serve`'s check before it starts Ray."""
+def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig, DraftSpec | None]:
+    """The model as the engine will run it (no weights read), and speculative decoding's draft model if any,
+    refused (ValueError) when `tensor_parallel_size` cannot split its heads, its generation_config.json holds a
+    value SamplingParams refuses or the draft does not fit it (cluster/draft.py): the one place those checks
+    run, for the engine and for `raytp serve`'s check before it starts Ray."""
     source = resolve_model(config.model, config.revision)
     model_config = read_model_config(source, config.trust_remote_code, config.generation_config, config.hf_overrides)
     model_config.check_tp(config.tensor_parallel_size)
     sampling_defaults(source, config.generation_config)  # a bad generation_config.json, refused as early
-    return source, model_config
+    return source, model_config, read_draft(config, source, model_config)
 
 
 def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig, group_name: str | None = None) -> Executor:
@@ -100,8 +103,8 @@ class LLMEngine:
         config: EngineConfig,
         executor_factory: Callable[[ResolvedEngineConfig, ModelConfig], Executor] = make_executor,
     ) -> None:
-        source, self.model_config = read_checked_model(config)
-        self.config = resolve_config(config, self.model_config)
+        source, self.model_config, draft = read_checked_model(config)
+        self.config = resolve_config(config, self.model_config, draft)
         self.model_name = source.name
         # SamplingParams fields a request leaves unset take these (offline: LLM.get_default_sampling_params)
         self.generation_defaults = sampling_defaults(source, config.generation_config)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
+from model_exec.draft_model import DraftModel, has_placeholders
 from model_exec.lora.manager import LoRAManager
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
@@ -36,6 +37,7 @@ from model_exec.pooler import Pooler
 from model_exec.sampler import Sampler, SamplingMetadata
 from model_exec.spec_verify import RowToSample, sample_rows
 from ops.attention.base import AttentionMetadata
+from ops.cache_ops import KVCache
 from request.pooling_params import PoolingParams
 from request.sampling_params import SamplingParams
 from scheduler.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, SeqSample, TokenLogprobs
@@ -125,6 +127,7 @@ class ModelRunner:
         self.last_sampled: dict[int, int] = {}
         self._pinned = device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None  # set by attach_decode_graphs (CUDA, after the KV pool)
+        self.draft: DraftModel | None = None  # rank 0 with a draft model (speculative decoding): proposes
 
     def attach_decode_graphs(self, graphs: DecodeGraphs) -> None:
         """Pure-decode steps replay these graphs from now on (the KV pool they captured must stay)."""
@@ -254,7 +257,7 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _forward(self, host: _HostStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _forward(self, host: _HostStep, kv_caches: list[KVCache]) -> torch.Tensor:
         """Hidden states of the step's tokens (a graph's padded output may carry extra rows at the end)."""
         if self.decode_graphs is not None and host.max_query_len == 1:
             hidden = self.decode_graphs.run(
@@ -262,6 +265,10 @@ class ModelRunner:
             )
             if hidden is not None:
                 return hidden
+        return self._eager_forward(self.model, host, kv_caches)
+
+    def _eager_forward(self, model: CausalLM, host: _HostStep, kv_caches: list[KVCache]) -> torch.Tensor:
+        """`model`'s hidden states of the step's tokens, run eagerly (the target, or the draft on its own pool)."""
         meta = AttentionMetadata(
             query_start_loc=self._to_device(host.query_start_loc),
             seq_lens=self._to_device(host.seq_lens),
@@ -271,7 +278,25 @@ class ModelRunner:
             max_seq_len=int(host.seq_lens.max()),
             num_decodes=host.num_decodes,
         )
-        return self.model(self._to_device(host.input_ids), self._to_device(host.positions), kv_caches, meta)
+        return model(self._to_device(host.input_ids), self._to_device(host.positions), kv_caches, meta)
+
+    def _fill_proposals(self, rows: list[_Row]) -> None:
+        """Speculative decoding with a draft model: rank 0's draft runs over the step (every step: its KV
+        follows the target's) and fills the rows' placeholder proposals; the other ranks receive them in one
+        broadcast (every rank sees the same placeholder rows, in the same order)."""
+        speculating = [r for r in rows if has_placeholders(r)]
+        if self.draft is not None:
+            self.draft.propose(rows, self._host_inputs, self._eager_forward)
+        if self.tp.world_size == 1 or not speculating:
+            return
+        flat = (
+            [t for r in speculating for t in r.drafts]
+            if self.tp.rank == 0
+            else [0] * sum(len(r.drafts) for r in speculating)
+        )
+        filled = self.tp.broadcast(torch.tensor(flat, dtype=torch.long, device=self.device)).tolist()
+        for r in speculating:
+            r.drafts, filled = filled[: len(r.drafts)], filled[len(r.drafts) :]
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -281,6 +306,8 @@ class ModelRunner:
         rows = self._apply_deltas(so)
         if not rows:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
+        if self.draft is not None or any(has_placeholders(r) for r in rows):
+            self._fill_proposals(rows)
         host = self._host_inputs(rows)
         if self.lora is not None:
             with self.lora.batch([r.state.lora_id for r in rows], host.starts):

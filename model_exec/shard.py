@@ -18,21 +18,23 @@ from model_exec import malloc_tuning
 from model_exec.cache_engine import CacheEngine
 from model_exec.config import ModelConfig
 from model_exec.cuda_graphs import DecodeGraphs, capture_sizes
+from model_exec.draft_model import DraftModel
 from model_exec.kv_sizing import MemorySnapshot, measure_kv_budget, take_snapshot
 from model_exec.layers.quantization import scope as quantization_scope
 from model_exec.layers.quantization.select import select_quantization
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
-from model_exec.models import build_model, pack_weights
+from model_exec.models import CausalLM, build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
 from model_exec.pooler import Pooler
 from model_exec.pooling_model import build_pooling_model
-from model_exec.shard_config import ShardConfig
-from model_exec.source import ModelSource
+from model_exec.shard_config import DraftSpec, ShardConfig
+from model_exec.source import ModelSource, resolve_model
 from model_exec.warmup import warm_up_decode
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend, pick_backend
+from ops.attention.base import AttentionBackend
 from ops.dtypes import torch_dtype
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -124,6 +126,13 @@ class ModelShard:
         self.runner = ModelRunner(
             model, self.tp, block_size, self.device, model_config.eos_token_ids, self.lora, pooler
         )
+        # Speculative decoding's draft: whole, on rank 0 only, unquantized, its KV pool beside the target's
+        # (model_exec/draft_model.py); its weights count as loaded before the CUDA memory snapshot below.
+        self.draft_shape: CacheShape | None = None
+        if config.draft is not None and self.tp.rank == 0:
+            self.runner.draft = DraftModel(self._load_draft(config.draft, attn_backend, dtype))
+            d = config.draft.model_config
+            self.draft_shape = CacheShape(d.num_hidden_layers, d.num_key_value_heads, d.head_dim, block_size, dtype)
         self._mem_after_load = take_snapshot(torch.cuda, self.device) if self.device.type == "cuda" else None
         self.use_cuda_graphs = self._decide_cuda_graphs(attn_backend.cuda_graph_capturable, config.enforce_eager)
         self.cache_shape = CacheShape(
@@ -134,6 +143,7 @@ class ModelShard:
             dtype=dtype,
         )
         self.cache: CacheEngine | None = None
+        self.draft_cache: CacheEngine | None = None  # rank 0 with a draft model
         logger.info(
             "rank %d loaded %s (%s, %s, quantization %s)",
             rank,
@@ -143,9 +153,19 @@ class ModelShard:
             self.quantization,
         )
 
+    def _load_draft(self, draft: DraftSpec, attn_backend: type[AttentionBackend], dtype: torch.dtype) -> CausalLM:
+        source = resolve_model(draft.model)
+        model = build_model(draft.model_config, TPGroup.single(), attn_backend, self.device, dtype)
+        model.load_weights(iter_weights(source))  # type: ignore[arg-type]  # no GGUF blocks: plain tensors only
+        pack_weights(model, panels=self.config.panel_gemm)
+        logger.info("rank %d loaded the draft model %s", self.tp.rank, source.name)
+        return model
+
     @property
     def bytes_per_block(self) -> int:
-        return self.cache_shape.bytes_per_block
+        """One block id's bytes on this rank: the target's KV, and on rank 0 the draft's beside it."""
+        draft = self.draft_shape.bytes_per_block if self.draft_shape is not None else 0
+        return self.cache_shape.bytes_per_block + draft
 
     def _decide_cuda_graphs(self, capturable: bool, enforce_eager: bool) -> bool:
         if self.device.type != "cuda":
@@ -194,9 +214,8 @@ class ModelShard:
             for _ in range(s.num_layers)
         ]
 
-    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        s = self.cache_shape
-        self.cache = CacheEngine(
+    def _cache_engine(self, s: CacheShape, num_device_blocks: int, num_cpu_blocks: int, pad: bool) -> CacheEngine:
+        return CacheEngine(
             num_layers=s.num_layers,
             num_kv_heads=s.num_kv_heads,
             head_dim=s.head_dim,
@@ -205,8 +224,17 @@ class ModelShard:
             num_cpu_blocks=num_cpu_blocks,
             dtype=s.dtype,
             device=self.device,
-            pad_block=self.use_cuda_graphs,
+            pad_block=pad,
         )
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        s = self.cache_shape
+        self.cache = self._cache_engine(s, num_device_blocks, num_cpu_blocks, self.use_cuda_graphs)
+        if self.runner.draft is not None:
+            assert self.draft_shape is not None
+            # the same block ids as the target's pool: the draft runs eagerly, so it has no pad block
+            self.draft_cache = self._cache_engine(self.draft_shape, num_device_blocks, num_cpu_blocks, False)
+            self.runner.draft.kv_caches = self.draft_cache.device_caches
         if self.use_cuda_graphs:
             assert self.cache.pad_block_id is not None
             graphs = DecodeGraphs(
@@ -231,17 +259,28 @@ class ModelShard:
             warm_up_decode(
                 self.runner.model, self.cache.device_caches, s.block_size, self.config.max_model_len, self.device
             )
+            if self.runner.draft is not None and self.draft_cache is not None:  # the draft's decodes, warm too
+                warm_up_decode(
+                    self.runner.draft.model,
+                    self.draft_cache.device_caches,
+                    s.block_size,
+                    self.config.max_model_len,
+                    self.device,
+                )
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""
         assert self.cache is not None, "init_cache first"
         # Order matters: swap-out reads blocks that the same step may hand to others.
-        if so.blocks_to_swap_out:
-            self.cache.swap_out(so.blocks_to_swap_out)
-        if so.blocks_to_swap_in:
-            self.cache.swap_in(so.blocks_to_swap_in)
-        if so.blocks_to_copy:
-            self.cache.copy(so.blocks_to_copy)
+        for cache in (self.cache, self.draft_cache):  # one block id names a block in both pools
+            if cache is None:
+                continue
+            if so.blocks_to_swap_out:
+                cache.swap_out(so.blocks_to_swap_out)
+            if so.blocks_to_swap_in:
+                cache.swap_in(so.blocks_to_swap_in)
+            if so.blocks_to_copy:
+                cache.copy(so.blocks_to_copy)
         return self.runner.execute(so, self.cache.device_caches)
 
     def shutdown(self) -> None:

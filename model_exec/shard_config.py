@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from model_exec.config import ModelConfig
 from ops.dtypes import DTYPES
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """Speculative decoding's draft model (`{"method": "draft_model", ...}`), read and checked against the
+    target once (cluster/draft.py): rank 0 builds it beside its shard (model_exec/draft_model.py)."""
+
+    model: str  # the path, as the speculative config gave it
+    model_config: ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +44,7 @@ class ShardConfig:
     max_lora_rank: int = 16
     runner: Literal["generate", "pooling"] = "generate"  # pooling: a pooling model and head, no sampler
     pooler_config: dict[str, Any] | None = None  # EngineConfig.pooler_config (model_exec/pooling_config.py)
+    draft: DraftSpec | None = None  # speculative decoding with a draft model; None: none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

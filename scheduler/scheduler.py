@@ -390,7 +390,12 @@ class Scheduler:
                 max_tokens - len(seq.output_token_ids) - 1,
                 self.config.max_model_len - seq.num_tokens - 1,
             )
-            proposal = propose_ngram(seq.token_ids, spec, limit) if limit > 0 else []
+            if limit <= 0:
+                continue
+            if spec.method == "draft_model":  # rank 0's draft fills them in (model_exec/draft_model.py)
+                proposal = [PLACEHOLDER_TOKEN] * min(limit, spec.num_speculative_tokens)
+            else:
+                proposal = propose_ngram(seq.token_ids, spec, limit)
             if proposal:
                 drafts[seq.seq_id] = proposal
                 tokens_left -= len(proposal)

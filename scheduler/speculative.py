@@ -9,6 +9,11 @@ The proposer looks for the longest n-gram (M down to m tokens) that ends the seq
 its own prompt + output, and proposes the tokens that followed that occurrence. Decision: the most recent
 occurrence wins (vLLM's V1 proposer takes the first): in a copy or an edit the latest match is the one
 being copied; both are exact, only the acceptance rate can differ.
+
+`{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}`: a smaller model sharing the target's
+vocabulary proposes. The scheduler cannot know its tokens, so it schedules k placeholder proposals
+(`PLACEHOLDER_TOKEN`) like n-gram ones (the lookahead slots, the budget, the same limits) and rank 0's model
+runner fills them with the draft's greedy tokens before the target verifies them (model_exec/draft_model.py).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 _KNOWN_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"})
 # vLLM's defaults when neither lookup bound is given.
 _DEFAULT_LOOKUP = 5
@@ -29,10 +34,11 @@ _NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's older spelling: the method named 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram"
+    method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int  # k: most tokens proposed per sequence per step
-    prompt_lookup_max: int  # longest n-gram looked up
-    prompt_lookup_min: int  # shortest n-gram looked up
+    prompt_lookup_max: int = 0  # ngram: longest n-gram looked up
+    prompt_lookup_min: int = 0  # ngram: shortest n-gram looked up
+    model: str | None = None  # draft_model: the draft's path (a folder or a GGUF file, as `model` takes)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -43,7 +49,14 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}."
             )
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError('speculative_config: method "draft_model" needs "model", the draft\'s path.')
+            if self.prompt_lookup_min or self.prompt_lookup_max:
+                raise ValueError('speculative_config: prompt_lookup_min/max apply to method "ngram" only.')
+        elif self.model is not None:
+            raise ValueError('speculative_config: "model" names a draft model: method "draft_model" only.')
+        elif not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}."
@@ -58,21 +71,32 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}.")
         model = raw.get("model")
-        method = raw.get("method") or ("ngram" if model in _NGRAM_MODELS else None)  # vLLM's older spelling
-        if method == "draft_model" or model not in (None, *_NGRAM_MODELS):
-            raise ValueError(
-                "speculative_config: a draft model is not supported yet; raytp speculates with "
-                '{"method": "ngram"} (prompt lookup).'
-            )
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config: model must be a path (a string), got {model!r}.")
+        method = raw.get("method")
+        if method is None and model is not None:  # vLLM's older spelling: the method named as the model, or a path
+            method = "ngram" if model in _NGRAM_MODELS else "draft_model"
         if method is None:
-            raise ValueError('speculative_config: "method" is required (raytp supports "ngram").')
+            raise ValueError('speculative_config: "method" is required ("ngram" or "draft_model").')
+        if method == "ngram" and model in _NGRAM_MODELS:
+            model = None
         k = _int(raw, "num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config: num_speculative_tokens is required.")
         lo, hi = _int(raw, "prompt_lookup_min"), _int(raw, "prompt_lookup_max")
+        if method == "draft_model":
+            return cls(
+                method=str(method),
+                num_speculative_tokens=k,
+                prompt_lookup_max=hi or 0,
+                prompt_lookup_min=lo or 0,
+                model=model,
+            )
         lo = lo if lo is not None else hi if hi is not None else _DEFAULT_LOOKUP  # each bound defaults to the other
         hi = hi if hi is not None else lo
-        return cls(method=str(method), num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+        return cls(
+            method=str(method), num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, model=model
+        )
 
 
 def _int(raw: Mapping[str, Any], name: str) -> int | None:

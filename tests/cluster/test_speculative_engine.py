@@ -1,11 +1,14 @@
-"""Speculative decoding (n-gram) gives the plain engine's outputs, field for field, in-process on the tiny Llama.
+"""Speculative decoding (n-gram, and a draft model) gives the plain engine's outputs, field for field,
+in-process on the tiny Llama.
 
-Each case runs the same requests through an engine without speculation and one with
-`speculative_config={"method": "ngram", ...}` and compares every user-visible field (token ids, text,
-cumulative and per-token logprobs within 1e-4, finish and stop reasons), then checks that no KV block leaked and that
-proposals were made and some accepted. The tiny Llama's attention output is scaled down (x0.02), so its
-greedy text falls into the loops prompt lookup predicts while every token still reads the KV cache (a wrong
-cache entry changes the logprobs, compared exactly).
+Each case runs the same requests through an engine without speculation and one with each method's
+`speculative_config` and compares every user-visible field (token ids, text, cumulative and per-token
+logprobs within 1e-4, finish and stop reasons), then checks that no KV block leaked and that proposals were
+made and some accepted. The tiny Llama's attention output is scaled down (x0.02), so its greedy text falls
+into the loops prompt lookup predicts while every token still reads the KV cache (a wrong cache entry
+changes the logprobs, compared exactly). The draft is the target itself (every greedy proposal should be
+accepted: a draft KV entry out of step with the target's would show as rejections) or another random
+tiny Llama of the same vocabulary (most rejected: the rejection path).
 Over Ray at TP 2: tests/cluster/test_async_step_ray.py. The token distribution: tests/model_exec/test_spec_verify.py.
 """
 
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from raytp import LLM, SamplingParams, StructuredOutputsParams
 from request.lora import LoRARequest
@@ -43,13 +47,30 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_loopy_llama(tmp_path_factory.mktemp("spec"))
 
 
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama of the same tokenizer and other random weights: its proposals are mostly rejected."""
+    return make_tiny_llama(tmp_path_factory.mktemp("draft"), seed=7)
+
+
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SELF_DRAFT = "self"  # the method param: the target as its own draft model
 
 
-def run_both(model: str, prompts: list[Any], params: Any, **kwargs: Any) -> tuple[list[Any], list[Any], LLM]:
+@pytest.fixture(params=["ngram", SELF_DRAFT])
+def spec(request: pytest.FixtureRequest, model: str) -> dict[str, Any]:
+    """Each engine case runs with prompt lookup and with a draft model (the target itself)."""
+    if request.param == "ngram":
+        return NGRAM
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+
+
+def run_both(
+    model: str, prompts: list[Any], params: Any, spec: dict[str, Any] = NGRAM, **kwargs: Any
+) -> tuple[list[Any], list[Any], LLM]:
     results, llm = [], None
-    for spec in (None, NGRAM):
-        llm = LLM(model, **{**BASE, **kwargs, "speculative_config": spec})
+    for config in (None, spec):
+        llm = LLM(model, **{**BASE, **kwargs, "speculative_config": config})
         results.append(fields(llm.generate(prompts, params, use_tqdm=False)))
         check_no_leaks(llm)
         llm.llm_engine.shutdown()
@@ -93,19 +114,22 @@ def accepted(llm: LLM) -> int:
     ],
     ids=["default", "chunked", "recompute", "swap", "prefix_cache"],
 )
-def test_greedy_output_is_identical(model: str, variant: dict) -> None:
+def test_greedy_output_is_identical(model: str, spec: dict, variant: dict) -> None:
     prompts = token_prompts() * (2 if variant.get("enable_prefix_caching") else 1)
-    plain, spec, llm = run_both(
-        model, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), **variant
+    plain, with_spec, llm = run_both(
+        model, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), spec, **variant
     )
-    assert_same(spec, plain)
+    assert_same(with_spec, plain)
     assert accepted(llm) > 0
+    if spec["method"] == "draft_model":  # the target as its own draft: its greedy proposals are the target's
+        sched = llm.llm_engine.scheduler
+        assert sched.spec_num_accepted_tokens >= 0.95 * sched.spec_num_draft_tokens, sched.spec_accepted_per_pos
     sched = llm.llm_engine.scheduler
     if "preemption_mode" in variant:
         assert sched.num_preemptions_recompute + sched.num_preemptions_swap > 0
 
 
-def test_seeded_sampling_with_penalties_and_logprobs_is_identical(model: str) -> None:
+def test_seeded_sampling_with_penalties_and_logprobs_is_identical(model: str, spec: dict) -> None:
     """Each position is sampled with the noise and penalties the plain engine uses there, so seeded samples
     are the same tokens, not just the same distribution."""
     params = [
@@ -123,12 +147,12 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_identical(model: str) ->
         )
         for i in range(8)
     ]
-    plain, spec, llm = run_both(model, token_prompts(), params)
-    assert_same(spec, plain)
+    plain, with_spec, llm = run_both(model, token_prompts(), params, spec)
+    assert_same(with_spec, plain)
     assert llm.llm_engine.scheduler.spec_num_drafts > 0
 
 
-def test_stops_inside_an_accepted_run_n_best_of_and_grammars(model: str) -> None:
+def test_stops_inside_an_accepted_run_n_best_of_and_grammars(model: str, spec: dict) -> None:
     """A stop token, a stop string and max_tokens end the output at the exact token; forks speculate after
     the prompt step; a request under a grammar runs without proposals and still matches."""
     probe = LLM(model, **BASE)
@@ -150,8 +174,8 @@ def test_stops_inside_an_accepted_run_n_best_of_and_grammars(model: str) -> None
             params.append(
                 SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema))
             )
-    plain, spec, llm = run_both(model, token_prompts(), params)
-    assert_same(spec, plain)
+    plain, with_spec, llm = run_both(model, token_prompts(), params, spec)
+    assert_same(with_spec, plain)
     assert {c[5] for _, _, comps in plain for c in comps} >= {"length", "stop"}
     assert llm.llm_engine.scheduler.spec_num_drafts > 0
 
@@ -163,7 +187,7 @@ def test_a_bad_or_unsupported_config_is_refused_at_start(model: str) -> None:
         LLM(model, **BASE, speculative_config=NGRAM, async_scheduling=True)
 
 
-def test_lora_rows_are_verified_with_their_adapter(model: str, tmp_path: Path) -> None:
+def test_lora_rows_are_verified_with_their_adapter(model: str, spec: dict, tmp_path: Path) -> None:
     """Rows with an adapter and rows without share each step; a verifying row runs the target with its own
     adapter, so every row's output is the plain engine's (and the adapter's output is not the base's)."""
     adapter = LoRARequest("a", 1, make_peft_adapter(model, tmp_path / "a", rank=4, weights_scale=0.5))
@@ -176,8 +200,8 @@ def test_lora_rows_are_verified_with_their_adapter(model: str, tmp_path: Path) -
         for i in range(len(prompts))
     ]
     results, llm = [], None
-    for spec in (None, NGRAM):
-        llm = LLM(model, **BASE, enable_lora=True, max_lora_rank=8, max_loras=1, speculative_config=spec)
+    for config in (None, spec):
+        llm = LLM(model, **BASE, enable_lora=True, max_lora_rank=8, max_loras=1, speculative_config=config)
         results.append(fields(llm.generate(prompts, params, use_tqdm=False, lora_request=loras)))
         check_no_leaks(llm)
         llm.llm_engine.shutdown()
@@ -188,6 +212,69 @@ def test_lora_rows_are_verified_with_their_adapter(model: str, tmp_path: Path) -
     base.llm_engine.shutdown()
     assert plain[0][2][0][1] != without, "the adapter does not change the output: the test would prove nothing"
     assert llm is not None and accepted(llm) > 0
+
+
+def test_a_draft_of_other_weights_is_mostly_rejected_and_changes_nothing(model: str, other_draft: str) -> None:
+    """Greedy and seeded rows with a draft the target disagrees with: the rejection path on every row, every
+    output still the plain engine's, no block leaked (chunked prefill and preemption by swap on: the draft's
+    pool is swapped beside the target's)."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.9, seed=i, max_tokens=32, logprobs=2, ignore_eos=True)
+        for i in range(8)
+    ]
+    draft = {"method": "draft_model", "model": other_draft, "num_speculative_tokens": 4}
+    variant = dict(num_gpu_blocks_override=40, block_size=4, preemption_mode="swap", max_num_batched_tokens=32)
+    plain, with_spec, llm = run_both(model, token_prompts(), params, draft, **variant)
+    assert_same(with_spec, plain)
+    sched = llm.llm_engine.scheduler
+    assert sched.spec_num_draft_tokens > 0
+    assert sched.spec_num_accepted_tokens < 0.5 * sched.spec_num_draft_tokens, sched.spec_accepted_per_pos
+    assert sched.num_preemptions_swap > 0
+
+
+def test_unseeded_samples_with_a_random_draft_follow_the_targets_distribution(other_draft: str, tmp_path: Path) -> None:
+    """A tiny random target (temperature 1) and a tiny random draft of other weights, k = 3: over 2,000
+    unseeded samples, the histogram of each of the first output tokens the draft's verification emits matches
+    the plain engine's (two-sample chi-square, p > 0.01; engine seed fixed, so the test is deterministic).
+    Unseeded rows draw their noise from the engine's generator, so the two runs share no sample: this checks
+    the distribution, where the seeded tests above check token identity."""
+    from tests.model_exec.test_spec_verify import chi_square_p
+
+    target = make_tiny_llama(tmp_path, seed=3)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 17, 42, 9]}
+    draft = {"method": "draft_model", "model": other_draft, "num_speculative_tokens": 3}
+    runs = []
+    for config in (None, draft):
+        llm = LLM(target, **{**BASE, "num_gpu_blocks_override": 1024}, seed=11, speculative_config=config)
+        outs = llm.generate([prompt] * 2000, params, use_tqdm=False)
+        runs.append(torch.tensor([o.outputs[0].token_ids for o in outs]))
+        if config is not None:
+            assert llm.llm_engine.scheduler.spec_num_drafts > 0
+        llm.llm_engine.shutdown()
+    plain, spec = runs
+    vocab = int(max(plain.max(), spec.max())) + 1
+    for j in range(1, 4):  # position 0 comes from the prompt step, before any proposal
+        a, b = torch.bincount(plain[:, j], minlength=vocab), torch.bincount(spec[:, j], minlength=vocab)
+        pooled = (a + b).double() / (a + b).sum()  # the null: one distribution for both; test b against it
+        assert chi_square_p(b, pooled) > 0.01, j
+
+
+def test_a_draft_that_does_not_fit_the_target_is_refused_at_start(model: str, tmp_path: Path) -> None:
+    other_vocab = make_tiny_llama(tmp_path / "v", vocab_size=300)
+    cases = [
+        ({"model": other_vocab}, "another vocabulary"),
+        ({"model": str(tmp_path / "nowhere")}, "the draft model cannot be read"),
+        ({"model": model, "prompt_lookup_max": 3}, 'prompt_lookup_min/max apply to method "ngram" only'),
+        ({"model": model, "num_speculative_tokens": 0}, "num_speculative_tokens must be at least 1"),
+        ({"model": None}, 'needs "model"'),
+    ]
+    for extra, message in cases:
+        config = {"method": "draft_model", "num_speculative_tokens": 2, **extra}
+        with pytest.raises(ValueError, match=message):
+            LLM(model, **BASE, speculative_config=config)
 
 
 def test_the_default_model_copies_code_text_and_chat_identically_and_accepts_most_proposals() -> None:

@@ -17,7 +17,7 @@ import pytest
 from kv import BlockManager
 from request.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, SeqSample
+from scheduler.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, SeqSample
 from scheduler.scheduler import Scheduler
 from scheduler.speculative import SpeculativeConfig, propose_ngram
 from tests.scheduler.delta_worker import DeltaWorker
@@ -25,6 +25,7 @@ from tests.scheduler.delta_worker import DeltaWorker
 VOCAB = 1000
 EOS = 0
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+DRAFT = {"method": "draft_model", "model": "/draft", "num_speculative_tokens": 3}  # the fake worker drafts
 
 
 def target(context: list[int]) -> int:
@@ -34,12 +35,23 @@ def target(context: list[int]) -> int:
     return 1 + (context[-1] * 7) % 23
 
 
+def fake_draft(context: list[int], k: int) -> list[int]:
+    """A draft model's greedy proposals: the target's token two times in three, another one otherwise."""
+    out: list[int] = []
+    for _ in range(k):
+        guess = target(context + out)
+        out.append(guess if hash(tuple(context + out)) % 3 else 1 + guess % (VOCAB - 1))
+    return out
+
+
 class VerifyingWorker(DeltaWorker):
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         rows = self.apply(so)
         out = ModelRunnerOutput()
         for seq_id, computed, n in rows:
             drafts = so.spec_token_ids.get(seq_id, [])
+            if drafts and drafts[0] == PLACEHOLDER_TOKEN:  # draft_model: rank 0's draft fills them
+                drafts = fake_draft(self.tokens[seq_id], len(drafts))
             toks, table = self.tokens[seq_id] + drafts, self.tables[seq_id]
             assert computed + n <= len(toks) and len(table) * self.block_size >= computed + n
             for p in range(computed):  # what the KV cache encodes: the sequence's tokens, never a rejected proposal
@@ -111,6 +123,8 @@ def prompts(n: int, rng: random.Random) -> list[list[int]]:
         dict(num_blocks=24, preemption_mode="recompute"),
         dict(num_blocks=24, preemption_mode="swap"),
         dict(num_blocks=24, prefix=True),
+        dict(num_blocks=24, preemption_mode="swap", spec=DRAFT),
+        dict(num_blocks=24, prefix=True, spec=DRAFT),
     ],
 )
 def test_outputs_equal_a_run_without_speculation_and_every_block_comes_back(cfg: dict) -> None:
@@ -128,9 +142,10 @@ def test_outputs_equal_a_run_without_speculation_and_every_block_comes_back(cfg:
     assert bm.num_free_device_blocks == bm.num_device_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
 
 
-def test_200_requests_with_aborts_and_preemption_free_every_block_and_cache_only_accepted_tokens() -> None:
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_200_requests_with_aborts_and_preemption_free_every_block_and_cache_only_accepted_tokens(spec: dict) -> None:
     rng = random.Random(3)
-    sched, worker, bm = make(num_blocks=40, prefix=True, max_num_batched_tokens=24)
+    sched, worker, bm = make(num_blocks=40, prefix=True, max_num_batched_tokens=24, spec=spec)
     ps = prompts(200, rng)
     aborted = {str(i) for i in range(0, 200, 9)}
     for i, p in enumerate(ps):
@@ -211,10 +226,38 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
             "prompt_lookup_min",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
-        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}, "draft model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
+        ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, 'draft_model" only'),
+        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "ngram"),
+        ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "must be a path"),
         ({"num_speculative_tokens": 2}, "method"),
     ],
 )
 def test_a_bad_config_is_refused_by_name(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(raw)
+
+
+def test_a_draft_model_config_reads_vllms_spellings() -> None:
+    """vLLM's `{"model": PATH}` without a method names a draft model; `{"model": "[ngram]"}` prompt lookup."""
+    draft = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m", 3)
+    ngram = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert (ngram.method, ngram.model, ngram.prompt_lookup_min) == ("ngram", None, 2)
+
+
+def test_draft_model_rows_carry_placeholders_under_the_same_limits() -> None:
+    """With a draft model the scheduler cannot know the proposals: it schedules k placeholders (rank 0's draft
+    fills them), never past max_tokens, and the accepted run is applied as for n-gram proposals."""
+    spec = {"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}
+    sched, _, bm = make(spec=spec)
+    add(sched, "0", [5, 6, 7], max_tokens=3, ignore_eos=True)
+    so = sched.schedule()  # the prompt
+    sched.update(so, ModelRunnerOutput(samples={so.num_samples.popitem()[0]: SeqSample([9], [-1.0])}))
+    so = sched.schedule()
+    [(seq_id, drafts)] = so.spec_token_ids.items()
+    assert drafts == [PLACEHOLDER_TOKEN]  # 3 tokens allowed, 1 out: the target's own after one proposal is the last
+    sched.update(so, ModelRunnerOutput(samples={seq_id: SeqSample([4, 8], [-1.0, -1.0])}))
+    [group] = sched.take_finished()
+    assert group.seqs[0].output_token_ids == [9, 4, 8]
+    assert sched.spec_num_accepted_tokens == 1 and bm.num_free_device_blocks == bm.num_device_blocks

@@ -91,9 +91,8 @@ def test_speculative_config_is_a_flag_of_serve_and_batch() -> None:
     [
         ("{method: ngram}", "--speculative-config: not valid JSON"),
         ("4", "--speculative-config: expected a JSON object, got int"),
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram, got 'eagle'"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram, draft_model, got 'eagle'"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be at least 1"),
-        ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}', "a draft model is not supported"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 3}', "unknown key(s) k"),
     ],
 )
@@ -108,6 +107,17 @@ def test_a_bad_speculative_config_exits_2_naming_it_before_starting_ray(
         rc = e.code
     assert rc == 2
     assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_serve_with_a_draft_model_it_cannot_read_exits_2_before_starting_ray(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import ray
+
+    draft = '{"method": "draft_model", "model": "/nowhere/draft", "num_speculative_tokens": 2}'
+    assert main(["serve", "--speculative-config", draft]) == 2
+    assert "speculative_config: the draft model cannot be read" in capsys.readouterr().err
     assert not ray.is_initialized()
 
 
