@@ -186,9 +186,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _host_inputs(self, rows: list[_Row]) -> _HostStep:
-        q_lens_list = [r.num_scheduled for r in rows]
-        if max(q_lens_list) == 1:
+        if all(r.num_scheduled == 1 for r in rows):
             return self._decode_inputs(rows)
+        return self._spread_inputs(rows)
+
+    def _spread_inputs(self, rows: list[_Row]) -> _HostStep:
+        """Any step's inputs: each row's query spread over its tokens with tensor ops."""
+        q_lens_list = [r.num_scheduled for r in rows]
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(r.input_ids() for r in rows)),
             dtype=torch.long,
@@ -219,9 +223,10 @@ class ModelRunner:
         )
 
     def _decode_inputs(self, rows: list[_Row]) -> _HostStep:
-        """`_host_inputs` of a pure-decode step (one token per row, no proposals), in one pass over the rows:
-        the same tensors, without the ops that spread each row's query over its tokens (a row's one token sits
-        at its computed count). Small torch ops cost more than these Python lines when the cores are busy."""
+        """`_host_inputs` of a step of one token per row, in one pass over the rows: the same tensors, without
+        the ops that spread each row's query over its tokens (a row's one token sits at its computed count).
+        Small torch ops cost more than these Python lines when the cores are busy. A one-token row with a
+        proposal (the draft model's passes, model_exec/draft_model.py) runs that proposal, as `_Row.input_ids`."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -230,9 +235,12 @@ class ModelRunner:
         for r in rows:
             state, pos = r.state, r.num_computed
             num_prompt = len(state.prompt_token_ids)
-            input_ids.append(
-                state.prompt_token_ids[pos] if pos < num_prompt else state.output_token_ids[pos - num_prompt]
-            )
+            if r.drafts:
+                input_ids.append(r.drafts[0])
+            else:
+                input_ids.append(
+                    state.prompt_token_ids[pos] if pos < num_prompt else state.output_token_ids[pos - num_prompt]
+                )
             positions.append(pos)
             slots.append(state.block_ids[pos // bs] * bs + pos % bs)
             max_blocks = max(max_blocks, len(state.block_ids))
@@ -324,7 +332,7 @@ class ModelRunner:
         # selection on every rank (gather is collective).
         starts = host.starts
         sample_rows = [i for i, r in enumerate(rows) if r.seq_id in so.num_samples]
-        if host.max_query_len == 1:  # a pure-decode step: row i's one token is hidden row i, and no proposals
+        if host.max_query_len == 1 and not any(r.drafts for r in rows):  # pure decode: row i's token is hidden row i
             select = list(sample_rows)
         else:
             select = [p for i in sample_rows for p in range(starts[i + 1] - 1 - len(rows[i].drafts), starts[i + 1])]
