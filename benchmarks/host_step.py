@@ -10,9 +10,11 @@ output processor. Prints the median per row count and the worker's share (its `e
 tree whose engine has `LLMEngine.step` and an in-process worker (`executor.worker.shard.runner`), so the
 same script measures a base commit (PYTHONPATH=that tree) for before/after figures. Rounds alternate row
 counts; on a shared machine compare medians of interleaved runs only. Beside the wall time it prints the
-engine thread's CPU time per step (`time.thread_time`): on a busy machine the wall time mostly measures
-waiting for a core (and torch's intra-op threads waiting for each other), which the thread's CPU time does not
-count. To measure another tree with this script, run it by path with PYTHONPATH=that tree.
+engine thread's CPU time per step (`time.thread_time`, averaged over the decode steps: the clock may tick
+in 4 ms steps, so a per-step median would be a multiple of the tick): on a busy machine the wall time mostly
+measures waiting for a core (and torch's intra-op threads waiting for each other), which the thread's CPU
+time does not count (their spinning at a barrier still counts). To measure another tree with this script,
+run it by path with PYTHONPATH=that tree.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class NoopModel:
 
 
 def measure(model: str | None, rows: int, steps: int) -> tuple[float, float, float]:
-    """(median decode step wall, median worker execute time, median engine-thread CPU time), in seconds."""
+    """(median decode step wall, median worker execute time, mean engine-thread CPU time), in seconds."""
     from raytp import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=rows, num_gpu_blocks_override=rows * 4, block_size=16, max_num_batched_tokens=4096)
@@ -76,7 +78,7 @@ def measure(model: str | None, rows: int, steps: int) -> tuple[float, float, flo
         cpus.append(time.thread_time() - c0)
     engine.shutdown()
     # the decode steps: past the prefill (one step at this budget) and the first decodes, before the tail
-    return statistics.median(walls[3:-3]), statistics.median(worker_times[3:-3]), statistics.median(cpus[3:-3])
+    return statistics.median(walls[3:-3]), statistics.median(worker_times[3:-3]), statistics.mean(cpus[3:-3])
 
 
 def main() -> None:
