@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from model_exec.layers.moe import SparseMoeBlock, select_experts
+from model_exec.layers.moe import FusedMoE, SparseMoeBlock, select_experts
 from model_exec.parallel import TPGroup
 
 HIDDEN, EXPERTS, TOP_K, INTER = 1024, 8, 2, 2816
@@ -50,7 +50,7 @@ def hf_block(implementation: str, state: dict[str, torch.Tensor]) -> torch.nn.Mo
 
 
 def raytp_block(state: dict[str, torch.Tensor], panels: bool) -> SparseMoeBlock:
-    block = SparseMoeBlock(EXPERTS, TOP_K, HIDDEN, INTER, True, TPGroup.single(), torch.float32)
+    block = SparseMoeBlock(FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, True, TPGroup.single(), torch.float32))
     block.gate.weight.data.copy_(state["gate.weight"])
     experts = block.experts
     for e in range(EXPERTS):

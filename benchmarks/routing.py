@@ -7,8 +7,8 @@ Routings (`--configs`):
 - pow2: `split_ingress`, one ingress in front of 2 LLMServer replicas, Serve's power-of-two router;
 - prefix: the same with raytp's PrefixAwareRouter (raytp/serve/routing.py);
 - serve-prefix: the same with Ray's PrefixCacheAffinityRouter, which keys on request text: it looks for an
-  argument with a `.prompt` or `.messages` attribute, and raytp's `generate(request_id, prompt_token_ids,
-  params)` has neither (unmodified, every generate call raises ValueError inside Serve's routing task and
+  argument with a `.prompt` or `.messages` attribute, and raytp's `generate(EngineRequest)` (token ids) has
+  neither (unmodified, every generate call raises ValueError inside Serve's routing task and
   the request is never routed). `TokenTextPrefixRouter` below feeds it the token ids as one character each
   (its private `_extract_text_from_request`), given the same load bound as raytp's router.
 
@@ -63,11 +63,11 @@ WORDS = [
 
 
 class TokenTextPrefixRouter(PrefixCacheAffinityRouter):
-    """Ray's PrefixCacheAffinityRouter over raytp's generate arguments: the prompt's token ids as text, one
+    """Ray's PrefixCacheAffinityRouter over raytp's generate argument: the prompt's token ids as text, one
     character per token id (ids below 0x110000 and outside the surrogates, as every vocabulary here)."""
 
     def _extract_text_from_request(self, pending_request: PendingRequest) -> str:
-        return "".join(map(chr, pending_request.args[1]))
+        return "".join(map(chr, pending_request.args[0].prompt_token_ids))  # the one EngineRequest
 
 
 def words(rng: random.Random, n: int) -> str:

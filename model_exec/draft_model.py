@@ -25,8 +25,9 @@ A draft can only change how many tokens are accepted, never which tokens are emi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -34,13 +35,33 @@ from model_exec.models import CausalLM
 from ops.cache_ops import KVCache
 from scheduler.outputs import PLACEHOLDER_TOKEN
 
-if TYPE_CHECKING:
-    from model_exec.model_runner import _HostStep, _Row
+
+class StepRow(Protocol):
+    """What the draft reads and sets of the model runner's rows (model_runner._Row); a protocol, so this
+    module imports nothing of the runner's."""
+
+    num_computed: int
+    num_scheduled: int
+    drafts: list[int]
 
 
-def has_placeholders(row: _Row) -> bool:
+class StepInputs(Protocol):
+    starts: list[int]  # each row's first token in the step's flat token order, and the end
+
+
+Row = TypeVar("Row", bound=StepRow)
+
+
+def has_placeholders(row: StepRow) -> bool:
     """A row whose proposals the draft has to make (the scheduler sent placeholders)."""
     return bool(row.drafts) and row.drafts[0] == PLACEHOLDER_TOKEN
+
+
+def _at(row: Row, num_computed: int, num_scheduled: int, drafts: list[int]) -> Row:
+    """The row at other counts (a shallow copy: the sequence's state is shared, not copied)."""
+    moved = copy.copy(row)
+    moved.num_computed, moved.num_scheduled, moved.drafts = num_computed, num_scheduled, drafts
+    return moved
 
 
 class DraftModel:
@@ -51,26 +72,25 @@ class DraftModel:
     @torch.inference_mode()
     def propose(
         self,
-        rows: list[_Row],
-        host_inputs: Callable[[list[_Row]], _HostStep],
-        forward: Callable[[CausalLM, _HostStep, list[KVCache]], torch.Tensor],
+        rows: Sequence[Row],
+        host_inputs: Callable[[list[Row]], Any],
+        forward: Callable[[CausalLM, Any, list[KVCache]], torch.Tensor],
     ) -> None:
         """Run the draft over the step's rows (its KV kept in step with the target's), then replace each row's
-        placeholder proposals with the draft's greedy tokens, in place."""
-        from model_exec.model_runner import _Row
-
+        placeholder proposals with the draft's greedy tokens, in place. `host_inputs` builds a step's inputs
+        (a StepInputs) from rows, `forward` runs a model on them: the runner's own."""
         assert self.kv_caches is not None, "the draft's KV pool is set by ModelShard.init_cache"
-        first: list[_Row] = []
+        first: list[Row] = []
         for r in rows:
             if r.drafts or (r.num_scheduled == 1 and r.num_computed > 0):
                 # a decoding row (or a one-token prompt chunk): from one position back, [previous, newest]
-                first.append(_Row(r.seq_id, r.state, r.num_computed - 1, 2, []))
+                first.append(_at(r, r.num_computed - 1, 2, []))
             else:
-                first.append(_Row(r.seq_id, r.state, r.num_computed, r.num_scheduled, []))
+                first.append(_at(r, r.num_computed, r.num_scheduled, []))
         speculating = [i for i, r in enumerate(rows) if has_placeholders(r)]
         # attention backends take one-token rows first: this pass has none but one-token prompts, kept first
         order = sorted(range(len(first)), key=lambda i: first[i].num_scheduled != 1)
-        host = host_inputs([first[i] for i in order])
+        host: StepInputs = host_inputs([first[i] for i in order])
         hidden = forward(self.model, host, self.kv_caches)
         if not speculating:
             return
@@ -80,7 +100,7 @@ class DraftModel:
         # one more token per speculating row and pass, each from the draft's own previous proposal
         for j in range(1, max(len(rows[i].drafts) for i in speculating)):
             going = [i for i in speculating if len(rows[i].drafts) > j]
-            step = [_Row(rows[i].seq_id, rows[i].state, rows[i].num_computed + j, 1, [proposals[i][-1]]) for i in going]
+            step = [_at(rows[i], rows[i].num_computed + j, 1, [proposals[i][-1]]) for i in going]
             hidden = forward(self.model, host_inputs(step), self.kv_caches)
             for i, token in zip(going, self._greedy(hidden, list(range(len(going)))), strict=True):
                 proposals[i].append(token)

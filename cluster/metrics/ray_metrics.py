@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 
 from ray.util import metrics as ray_metrics
 
-from cluster.metrics.registry import FINISH_REASONS, MetricDef, metric
+from cluster.metrics.registry import FINISH_REASONS, METRICS, MetricDef, metric
 from cluster.metrics.stats import BatchProgress, IterationStats, LoRAStats, SchedulerStats
 
 Tags = dict[str, str]  # passed to Ray as is: Ray merges it into a new dict and never mutates it
@@ -129,29 +129,37 @@ _keeper = _GaugeKeeper()
 
 _SUCCESS = metric("request_success")
 _LORA_INFO = metric("lora_requests_info")
-_SCHEDULER_GAUGES = (
-    (metric("num_requests_running"), "num_running_reqs"),
-    (metric("num_requests_waiting"), "num_waiting_reqs"),
-    (metric("num_requests_swapped"), "num_swapped_reqs"),
-    (metric("kv_cache_usage_perc"), "kv_cache_usage"),
-)
-_PREFIX = (metric("prefix_cache_queries"), metric("prefix_cache_hits"))
-_ITERATION_COUNTERS = (metric("prompt_tokens"), metric("generation_tokens"), metric("num_preemptions"))
-_SPEC = (
-    (metric("spec_decode_num_drafts"), "num_drafts"),
-    (metric("spec_decode_num_draft_tokens"), "num_draft_tokens"),
-    (metric("spec_decode_num_accepted_tokens"), "num_accepted_tokens"),
-)
 _SPEC_PER_POS = metric("spec_decode_num_accepted_tokens_per_pos")
-_FINISHED_HISTOGRAMS = (
-    (metric("e2e_request_latency_seconds"), "e2e_latency"),
-    (metric("request_queue_time_seconds"), "queued_time"),
-    (metric("request_prefill_time_seconds"), "prefill_time"),
-    (metric("request_decode_time_seconds"), "decode_time"),
-    (metric("request_prompt_tokens"), "num_prompt_tokens"),
-    (metric("request_generation_tokens"), "num_generation_tokens"),
-    (metric("request_params_n"), "n_param"),
-)
+
+
+def _sourced(record: str) -> tuple[tuple[MetricDef, str], ...]:
+    """The metrics read from one stats record (their registry `source`), each with the field it reads."""
+    prefix = f"{record}."
+    return tuple((d, d.source.removeprefix(prefix)) for d in METRICS if d.source.startswith(prefix))
+
+
+_FROM_SCHEDULER = _sourced("scheduler")
+_FROM_ITERATION = _sourced("iteration")
+_FROM_SPEC = _sourced("spec_decoding")
+_FROM_FINISHED = _sourced("finished")
+
+
+def _record_fields(metrics: tuple[tuple[MetricDef, str], ...], record: object, tags: Tags) -> None:
+    """Each metric from its field of `record`, as its kind records a value."""
+    for d, field in metrics:
+        value = float(getattr(record, field))
+        if d.kind == "gauge":
+            _keeper.set(d, tags, value)
+        elif d.kind == "counter":
+            _count(d, value, tags)
+        else:
+            _observe(d, (value,), tags)
+
+
+def _zero_counters(metrics: tuple[tuple[MetricDef, str], ...], tags: Tags) -> None:
+    for d, _ in metrics:
+        if d.kind == "counter":
+            _zero(d, tags)
 
 
 class EngineMetrics:
@@ -172,8 +180,7 @@ class EngineMetrics:
         self._tags = {"model_name": model_name, "replica": replica}
         self._position_tags = [{**self._tags, "position": str(i)} for i in range(num_speculative_tokens)]
         if num_speculative_tokens:
-            for d, _ in _SPEC:
-                _zero(d, self._tags)
+            _zero_counters(_FROM_SPEC, self._tags)
             for tags in self._position_tags:
                 _zero(_SPEC_PER_POS, tags)
         self._scheduler_started = False
@@ -185,12 +192,8 @@ class EngineMetrics:
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         if not self._scheduler_started:
             self._scheduler_started = True
-            for d in _PREFIX:
-                _zero(d, self._tags)
-        for d, attr in _SCHEDULER_GAUGES:
-            _keeper.set(d, self._tags, float(getattr(stats, attr)))
-        _count(_PREFIX[0], stats.prefix_cache_queries, self._tags)
-        _count(_PREFIX[1], stats.prefix_cache_hits, self._tags)
+            _zero_counters(_FROM_SCHEDULER, self._tags)
+        _record_fields(_FROM_SCHEDULER, stats, self._tags)
         if stats.lora is not None:
             self._record_lora(stats.lora)
 
@@ -218,14 +221,10 @@ class EngineMetrics:
             )
         if not self._iteration_started:
             self._iteration_started = True
-            for d in _ITERATION_COUNTERS:
-                _zero(d, tags)
+            _zero_counters(_FROM_ITERATION, tags)
             for reason in FINISH_REASONS:
                 _zero(_SUCCESS, {**tags, "finished_reason": reason})
-        prompt, generation, preemptions = _ITERATION_COUNTERS
-        _count(prompt, stats.num_prompt_tokens, tags)
-        _count(generation, stats.num_generation_tokens, tags)
-        _count(preemptions, stats.num_preempted_reqs, tags)
+        _record_fields(_FROM_ITERATION, stats, tags)
         if stats.num_scheduled_tokens > 0:  # an idle step is not an iteration
             _observe(metric("iteration_tokens_total"), (stats.num_scheduled_tokens,), tags)
         if stats.time_to_first_tokens:
@@ -235,14 +234,12 @@ class EngineMetrics:
         if stats.step_time is not None:
             _observe(metric("engine_step_time_seconds"), (stats.step_time,), tags)
         if spec is not None:
-            for d, attr in _SPEC:
-                _count(d, getattr(spec, attr), tags)
+            _record_fields(_FROM_SPEC, spec, tags)
             for position_tags, accepted in zip(self._position_tags, spec.num_accepted_tokens_per_pos, strict=True):
                 _count(_SPEC_PER_POS, accepted, position_tags)
         for req in stats.finished_requests:
             _count(_SUCCESS, 1, {**tags, "finished_reason": req.finish_reason})
-            for d, attr in _FINISHED_HISTOGRAMS:
-                _observe(d, (float(getattr(req, attr)),), tags)
+            _record_fields(_FROM_FINISHED, req, tags)
             if req.max_tokens_param is not None:
                 _observe(metric("request_params_max_tokens"), (float(req.max_tokens_param),), tags)
 

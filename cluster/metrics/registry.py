@@ -88,10 +88,16 @@ class MetricDef:
     help: str
     labels: tuple[str, ...] = ENGINE_LABELS
     buckets: tuple[float, ...] = ()  # histograms only: upper bounds, strictly increasing (+Inf is implicit)
+    # "record.field": the field of a stats record (cluster/metrics/stats.py; records in SOURCES) that the recorder
+    # reads it from, each record's metrics recorded by one loop (a gauge set, a counter added, a histogram
+    # observed); "": recorded by a method of its own in ray_metrics.py (labels beyond the engine's, lists).
+    source: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.startswith("raytp:"):
             raise ValueError(f"{self.name}: raytp metric names start with 'raytp:'")
+        if self.source and self.source.split(".")[0] not in SOURCES:
+            raise ValueError(f"{self.name}: source {self.source!r} names no record of {', '.join(SOURCES)}")
         if (self.kind == "histogram") != bool(self.buckets):
             raise ValueError(f"{self.name}: histograms, and only histograms, have buckets")
         if any(b >= c for b, c in zip(self.buckets, self.buckets[1:], strict=False)):
@@ -129,24 +135,49 @@ class MetricDef:
         return (self.series,)
 
 
+# (name, kind, help, SchedulerStats field): the metrics read from SchedulerStats.
+_SCHEDULER_ROWS: tuple[tuple[str, MetricKind, str, str], ...] = (
+    ("num_requests_running", "gauge", "Number of requests in model execution batches.", "num_running_reqs"),
+    ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "num_waiting_reqs"),
+    ("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.", "num_swapped_reqs"),
+    ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    ("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+)
+
+# The stats records whose metrics are read field by field (`MetricDef.source`): SchedulerStats, IterationStats,
+# SpecDecodingStats and each finished request's FinishedRequestStats.
+SOURCES: tuple[str, ...] = ("scheduler", "iteration", "spec_decoding", "finished")
+
+
 def _engine(
-    name: str, kind: MetricKind, help: str, buckets: tuple[float, ...] = (), extra: tuple[str, ...] = ()
+    name: str,
+    kind: MetricKind,
+    help: str,
+    buckets: tuple[float, ...] = (),
+    extra: tuple[str, ...] = (),
+    source: str = "",
 ) -> MetricDef:
-    return MetricDef(f"raytp:{name}", kind, help, ENGINE_LABELS + extra, buckets)
+    return MetricDef(f"raytp:{name}", kind, help, ENGINE_LABELS + extra, buckets, source)
 
 
 METRICS: tuple[MetricDef, ...] = (
-    # Scheduler state: recorded by the controller after each schedule() (gauges).
-    _engine("num_requests_running", "gauge", "Number of requests in model execution batches."),
-    _engine("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
-    _engine("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory."),
-    _engine("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
-    # Counters.
-    _engine("prompt_tokens", "counter", "Number of prefill tokens processed."),
-    _engine("generation_tokens", "counter", "Number of generation tokens processed."),
-    _engine("num_preemptions", "counter", "Cumulative number of preemption from the engine."),
-    _engine("prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens."),
-    _engine("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    # Read from SchedulerStats (the controller, after each schedule()): the queues and the KV pool (gauges), the
+    # prefix-cache lookups since the previous record (counters).
+    *(
+        _engine(name, kind, help, source=f"scheduler.{field}")
+        for name, kind, help, field in _SCHEDULER_ROWS
+    ),
+    # Read from IterationStats (the output path, once per step): counters.
+    *(
+        _engine(name, "counter", help, source=f"iteration.{field}")
+        for name, help, field in (
+            ("prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens"),
+            ("generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+            ("num_preemptions", "Cumulative number of preemption from the engine.", "num_preempted_reqs"),
+        )
+    ),
     _engine(
         "request_success", "counter", "Count of successfully processed requests.", extra=("finished_reason",)
     ),
@@ -159,40 +190,44 @@ METRICS: tuple[MetricDef, ...] = (
         "inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
         INTER_TOKEN_LATENCY_BUCKETS,
     ),
-    _engine(
-        "e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
-        REQUEST_LATENCY_BUCKETS,
-    ),
-    _engine(
-        "request_queue_time_seconds", "histogram", "Histogram of time spent in WAITING phase for request.",
-        REQUEST_LATENCY_BUCKETS,
-    ),
-    _engine(
-        "request_prefill_time_seconds", "histogram", "Histogram of time spent in PREFILL phase for request.",
-        REQUEST_LATENCY_BUCKETS,
-    ),
-    _engine(
-        "request_decode_time_seconds", "histogram", "Histogram of time spent in DECODE phase for request.",
-        REQUEST_LATENCY_BUCKETS,
-    ),
-    _engine("request_prompt_tokens", "histogram", "Number of prefill tokens processed.", REQUEST_TOKENS_BUCKETS),
-    _engine(
-        "request_generation_tokens", "histogram", "Number of generation tokens processed.", REQUEST_TOKENS_BUCKETS
+    # Read from each finished request's FinishedRequestStats: histograms.
+    *(
+        _engine(name, "histogram", help, buckets, source=f"finished.{field}")
+        for name, help, buckets, field in (
+            ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS,
+             "e2e_latency"),
+            ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+             REQUEST_LATENCY_BUCKETS, "queued_time"),
+            ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+             REQUEST_LATENCY_BUCKETS, "prefill_time"),
+            ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+             REQUEST_LATENCY_BUCKETS, "decode_time"),
+            ("request_prompt_tokens", "Number of prefill tokens processed.", REQUEST_TOKENS_BUCKETS,
+             "num_prompt_tokens"),
+            ("request_generation_tokens", "Number of generation tokens processed.", REQUEST_TOKENS_BUCKETS,
+             "num_generation_tokens"),
+            ("request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS, "n_param"),
+        )
     ),
     _engine(
         "iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
         ITERATION_TOKENS_BUCKETS,
     ),
-    _engine("request_params_n", "histogram", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
     _engine(
         "request_params_max_tokens", "histogram", "Histogram of the max_tokens request parameter.",
         REQUEST_TOKENS_BUCKETS,
     ),
     # Speculative decoding (vLLM V1's SpecDecodingProm): only engines with a speculative_config record them.
     # A draft is one row that carried proposals; `position` is the proposal's index in its draft, 0 to k - 1.
-    _engine("spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
-    _engine("spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
-    _engine("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens."),
+    # Read from SpecDecodingStats: counters.
+    *(
+        _engine(f"spec_decode_{field}", "counter", help, source=f"spec_decoding.{field}")
+        for field, help in (
+            ("num_drafts", "Number of spec decoding drafts."),
+            ("num_draft_tokens", "Number of draft tokens."),
+            ("num_accepted_tokens", "Number of accepted tokens."),
+        )
+    ),
     _engine(
         "spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
         extra=("position",),

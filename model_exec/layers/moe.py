@@ -165,27 +165,17 @@ class FusedMoE(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """A MoE MLP: the router `gate` (replicated: every rank routes every token alike) and the `experts`.
+    """A MoE MLP: the `experts` and their router `gate` (replicated: every rank routes every token alike),
+    sized and typed from the experts.
 
-    forward(x) -> [T, H], all-reduced unless `reduce_results` is False (then this rank's partial sum).
+    forward(x) -> [T, H], all-reduced unless the experts' `reduce_results` is False (then this rank's partial sum).
     """
 
-    def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden_size: int,
-        intermediate_size: int,
-        renormalize: bool,
-        tp: TPGroup,
-        params_dtype: torch.dtype | None = None,
-        reduce_results: bool = True,
-    ) -> None:
+    def __init__(self, experts: FusedMoE) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, False, tp, params_dtype)
-        self.experts = FusedMoE(
-            num_experts, top_k, hidden_size, intermediate_size, renormalize, tp, params_dtype, reduce_results
-        )
+        dtype = experts.gate_up_proj.dtype
+        self.gate = ReplicatedLinear(experts.hidden_size, experts.num_experts, False, experts.tp, dtype)
+        self.experts = experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))

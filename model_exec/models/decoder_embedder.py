@@ -1,9 +1,9 @@
 """Decoder families as embedders (runner="pooling"): the registered causal LM without its LM head.
 
-Relies on one thing of the decoder classes: their `model` submodule's forward returns the final hidden
-states (after the last norm) for the packed tokens, which the pooler reads (last token by default). The
-attention stays the family's own, causal and paged: a pooling step writes its prompt's keys into blocks
-the scheduler frees right after.
+Relies on one thing of the decoder classes: their forward (`CausalDecoder.forward`, inherited as it is)
+returns the final hidden states (after the last norm) for the packed tokens, logits being a separate call,
+so the pooler reads those states (last token by default). The attention stays the family's own, causal
+and paged: a pooling step writes its prompt's keys into blocks the scheduler frees right after.
 
 Checkpoints: a causal LM's own (`model.layers...`, `lm_head` skipped), and the base-model checkpoints that
 embedding models ship (Qwen3-Embedding, gte-Qwen2, a sentence-transformers folder of a decoder: tensor
@@ -19,7 +19,7 @@ from model_exec.config import ModelConfig
 from model_exec.models import get_model_class
 from model_exec.models.loading import CheckpointLoader, ShardId
 from model_exec.parallel import TPGroup
-from ops.attention.base import AttentionBackend, AttentionMetadata
+from ops.attention.base import AttentionBackend
 
 
 class DecoderEmbedderMixin(CheckpointLoader):
@@ -38,15 +38,6 @@ class DecoderEmbedderMixin(CheckpointLoader):
         if not ckpt_name.startswith("model."):
             ckpt_name = "model." + ckpt_name
         return super().checkpoint_param(ckpt_name)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise ValueError(f"{self.config.architecture} runs as an embedder here: it has no language-model head")

@@ -22,13 +22,13 @@ from torch import nn
 
 from model_exec.config import ModelConfig, hf_int
 from model_exec.layers.linear import ReplicatedLinear
-from model_exec.layers.moe import SparseMoeBlock
+from model_exec.layers.moe import FusedMoE, SparseMoeBlock
 from model_exec.models.decoder import GatedMLP
 from model_exec.parallel import TPGroup
 
 
 def mixtral_moe(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
-    return SparseMoeBlock(
+    experts = FusedMoE(
         num_experts=hf_int(config.hf, "num_local_experts", "num_experts"),
         top_k=hf_int(config.hf, "num_experts_per_tok"),
         hidden_size=config.hidden_size,
@@ -37,6 +37,7 @@ def mixtral_moe(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
         tp=tp,
         params_dtype=config.torch_dtype,
     )
+    return SparseMoeBlock(experts)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -46,7 +47,9 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def __init__(self, config: ModelConfig, tp: TPGroup, renormalize: bool) -> None:
         num_experts, top_k, inter = _experts_shape(config)
         dtype = config.torch_dtype
-        super().__init__(num_experts, top_k, config.hidden_size, inter, renormalize, tp, dtype, reduce_results=False)
+        super().__init__(
+            FusedMoE(num_experts, top_k, config.hidden_size, inter, renormalize, tp, dtype, reduce_results=False)
+        )
         shared = hf_int(config.hf, "shared_expert_intermediate_size")
         self.shared_expert = GatedMLP(config.hidden_size, shared, "silu", False, tp, dtype, reduce_results=False)
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, False, tp, dtype)
@@ -67,7 +70,7 @@ def qwen3_moe(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module | None:
         return None
     num_experts, top_k, inter = _experts_shape(config)
     return SparseMoeBlock(
-        num_experts, top_k, config.hidden_size, inter, _norm_topk_prob(config), tp, config.torch_dtype
+        FusedMoE(num_experts, top_k, config.hidden_size, inter, _norm_topk_prob(config), tp, config.torch_dtype)
     )
 
 

@@ -20,13 +20,18 @@ A backend that cannot honour one raises ValueError at construction, naming it (n
 
 from __future__ import annotations
 
+import importlib
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
 from ops.attention.registry import BACKENDS
+from ops.cache_ops import write_to_paged_cache
+from ops.dtypes import dtype_name, torch_dtype
 
 
 @dataclass
@@ -54,8 +59,24 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+class StepKV(NamedTuple):
+    """One layer's keys and values in a step: the new tokens' and the paged cache they are written into.
+
+    By the time a backend's `_attend` runs, `key`/`value` already stand in the cache at the step's
+    `slot_mapping`; a backend may read the new ones from either place."""
+
+    key: torch.Tensor  # [T, num_kv_heads, head_dim]: this step's new keys
+    value: torch.Tensor  # [T, num_kv_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor  # same shape as key_cache
+
+
 class AttentionBackend(ABC):
-    """Paged attention over a batch. Stateless apart from what `__init__` precomputes."""
+    """Paged attention over a batch. Stateless apart from what `__init__` precomputes.
+
+    `forward` is the same three steps for every backend (refuse what the kernels cannot take, write the new
+    K/V into the cache, attend); a backend implements `_attend` and overrides the other two hooks only where
+    its kernels differ."""
 
     name: str = ""
     # What this backend implements; the constructor refuses the options it does not. A registered backend's
@@ -68,6 +89,8 @@ class AttentionBackend(ABC):
     # read only as an upper bound (captures pass max_model_len; model_exec/cuda_graphs.py). Rows past the
     # real batch are padding whose slots and block tables point at a pad block the scheduler never hands out.
     cuda_graph_capturable: bool = False
+    _requirement: str = ""  # its row's pip requirement, named when its package does not import (`_import`)
+    _row_dtypes: tuple[torch.dtype, ...] = ()  # its row's dtypes, for backends that check them (`_check_dtypes`)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -76,6 +99,8 @@ class AttentionBackend(ABC):
             cls.supports_sliding_window = row.sliding_window
             cls.supports_logits_soft_cap = row.logits_soft_cap
             cls.cuda_graph_capturable = row.capturable
+            cls._row_dtypes = tuple(torch_dtype(n) for n in row.dtypes)
+            cls._requirement = row.requirement
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -117,7 +142,17 @@ class AttentionBackend(ABC):
         """The backend's own set-up, once the base fields are set (and checked): e.g. import its kernels,
         refuse a head_dim they cannot take (ValueError)."""
 
-    @abstractmethod
+    def _import(self, module: str) -> ModuleType:
+        """Import a module the backend's kernels need, at construction (never at module import, so CPU machines
+        import every backend file); ValueError naming the row's pip requirement when it does not import."""
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            package = re.split(r"[<>=!~\[ ]", self._requirement, maxsplit=1)[0]
+            raise ValueError(
+                f"attention_backend={self.name!r} needs the {package} package (pip install {self._requirement}): {exc}"
+            ) from exc
+
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
@@ -128,3 +163,27 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write key/value into the cache at meta.slot_mapping, then attend causally."""
+        kv = StepKV(key, value, key_cache, value_cache)
+        self._check(query, kv)  # before anything is written: a refused step leaves the cache as it was
+        self._write_kv(kv, meta.slot_mapping)
+        return self._attend(query, kv, meta)
+
+    def _check(self, query: torch.Tensor, kv: StepKV) -> None:  # noqa: B027 - optional hook
+        """Raise ValueError for inputs the kernels cannot take (a dtype, a block size)."""
+
+    def _check_dtypes(self, query: torch.Tensor, kv: StepKV) -> None:
+        """Refuse a query or cache dtype outside this backend's row (ops/attention/registry.py)."""
+        if query.dtype not in self._row_dtypes or kv.key_cache.dtype not in self._row_dtypes:
+            names = "/".join(dtype_name(d) for d in self._row_dtypes)
+            raise ValueError(
+                f"attention_backend={self.name!r} supports {names}; got query {query.dtype}, "
+                f"cache {kv.key_cache.dtype}."
+            )
+
+    def _write_kv(self, kv: StepKV, slot_mapping: torch.Tensor) -> None:
+        """The step's new keys/values into their cache slots (in place)."""
+        write_to_paged_cache(kv.key, kv.value, kv.key_cache, kv.value_cache, slot_mapping)
+
+    @abstractmethod
+    def _attend(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata) -> torch.Tensor:
+        """Attend every query token causally over its row's keys, the new ones already in the cache."""

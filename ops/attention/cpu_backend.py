@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ops.attention import cpu_kernels
-from ops.attention.base import AttentionMetadata
+from ops.attention.base import AttentionMetadata, StepKV
 from ops.attention.torch_backend import TorchAttentionBackend
 
 
@@ -53,19 +53,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # The prefill kernel is AVX2 code only (the portable build registers it but refuses to run).
         self._prefill_kernel = cpu_kernels.vectorized() and self.head_dim % 8 == 0
 
-    def _decode(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def _decode(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata, out: torch.Tensor) -> None:
         n = query.shape[0]
         cpu_kernels.paged_decode_attention(
             query,
-            key_cache,
-            value_cache,
+            kv.key_cache,
+            kv.value_cache,
             meta.block_tables[:n],
             meta.seq_lens[:n],
             self.scale,
@@ -74,25 +67,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
             logits_soft_cap=self.logits_soft_cap,
         )
 
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def _prefill(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata, out: torch.Tensor) -> None:
         # forward() wrote this step's keys and values into the cache first, so the kernel reads every
-        # key from there; the torch path (the reference) reads the new ones from `key` / `value`.
+        # key from there; the torch path (the reference) reads the new ones from `kv.key` / `kv.value`.
         if not self._prefill_kernel or query.dtype != torch.float32 or query.stride(2) != 1:
-            super()._prefill(query, key, value, key_cache, value_cache, meta, out)
+            super()._prefill(query, kv, meta, out)
             return
         cpu_kernels.paged_prefill_attention(
             query,
-            key_cache,
-            value_cache,
+            kv.key_cache,
+            kv.value_cache,
             meta.block_tables,
             meta.query_start_loc,
             meta.seq_lens,

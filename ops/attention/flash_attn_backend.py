@@ -27,12 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.attention import FLASH_ATTN_BLOCK_MULTIPLE
-from ops.attention.base import AttentionBackend, AttentionMetadata
-from ops.attention.registry import BACKENDS
-from ops.cache_ops import write_to_paged_cache
-from ops.dtypes import torch_dtype
-
-_DTYPES = tuple(torch_dtype(n) for n in BACKENDS["flash_attn"].dtypes)  # its row's
+from ops.attention.base import AttentionBackend, AttentionMetadata, StepKV
 
 
 def check_flash_attn_block_size(block_size: int) -> None:
@@ -57,18 +52,11 @@ class FlashAttnBackend(AttentionBackend):
     # sync-free with tensor-only inputs (vLLM captures the same call); max_seq_len is not read there.
 
     def _prepare(self) -> None:
-        try:
-            import flash_attn
-            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        except ImportError as exc:
-            raise ValueError(
-                "attention_backend='flash_attn' needs the flash-attn package "
-                f"(pip install flash-attn>=2.6): {exc}"
-            ) from exc
+        flash_attn = self._import("flash_attn")
         if self.head_dim > 256 or self.head_dim % 8 != 0:
             raise ValueError(f"flash-attn supports head_dim <= 256 and a multiple of 8; got {self.head_dim}.")
-        self._varlen: Any = flash_attn_varlen_func
-        self._with_kvcache: Any = flash_attn_with_kvcache
+        self._varlen: Any = flash_attn.flash_attn_varlen_func
+        self._with_kvcache: Any = flash_attn.flash_attn_with_kvcache
         # Passed only when set, so a layer without either option runs on any flash-attn 2.x.
         self._options: dict[str, Any] = {}
         if self.sliding_window is not None:
@@ -82,27 +70,16 @@ class FlashAttnBackend(AttentionBackend):
                 f"found {version}."
             )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        check_flash_attn_block_size(key_cache.shape[1])
-        if query.dtype not in _DTYPES or key_cache.dtype not in _DTYPES:
-            raise ValueError(
-                f"attention_backend='flash_attn' supports float16/bfloat16; got query {query.dtype}, "
-                f"cache {key_cache.dtype}."
-            )
-        write_to_paged_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    def _check(self, query: torch.Tensor, kv: StepKV) -> None:
+        check_flash_attn_block_size(kv.key_cache.shape[1])
+        self._check_dtypes(query, kv)
+
+    def _attend(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata) -> torch.Tensor:
         if meta.max_query_len == 1:  # pure decode: the cache already holds the new token
             out = self._with_kvcache(
                 query.unsqueeze(1),  # [B, 1, Hq, D]
-                key_cache,
-                value_cache,
+                kv.key_cache,
+                kv.value_cache,
                 cache_seqlens=meta.seq_lens,
                 block_table=meta.block_tables,
                 softmax_scale=self.scale,
@@ -113,8 +90,8 @@ class FlashAttnBackend(AttentionBackend):
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32), (1, 0))
         return self._varlen(
             query,
-            key_cache,
-            value_cache,
+            kv.key_cache,
+            kv.value_cache,
             cu_seqlens_q=meta.query_start_loc,
             cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=meta.max_query_len,

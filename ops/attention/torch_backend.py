@@ -26,8 +26,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ops.attention.base import AttentionBackend, AttentionMetadata
-from ops.cache_ops import write_to_paged_cache
+from ops.attention.base import AttentionBackend, AttentionMetadata, StepKV
 
 # Decode rows are gathered in chunks whose K (and V) copy stays under this size, so the gathered
 # K/V are still in cache when SDPA reads them, and the workspace stays small whatever the batch.
@@ -87,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _prepare(self) -> None:
         self._gqa = self.num_heads != self.num_kv_heads
 
-    def _attend(
+    def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
     ) -> torch.Tensor:
         """q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D], boolean `mask` (True = attend) -> [..., Hq, Lq, D].
@@ -110,34 +109,19 @@ class TorchAttentionBackend(AttentionBackend):
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_to_paged_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    def _attend(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(query)
         num_decodes = meta.num_decodes
         if num_decodes > 0:
-            self._decode(query[:num_decodes], key_cache, value_cache, meta, out)
+            self._decode(query[:num_decodes], kv, meta, out)
         if num_decodes < meta.num_seqs:
-            self._prefill(query, key, value, key_cache, value_cache, meta, out)
+            self._prefill(query, kv, meta, out)
         return out
 
-    def _decode(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def _decode(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Rows [0, num_decodes): one query each, attending to all of its row's keys; written into `out`."""
         num_rows = query.shape[0]
+        key_cache, value_cache = kv.key_cache, kv.value_cache
         seq_lens = meta.seq_lens[:num_rows]
         # On CPU the decode rows' own max is free to read and can be far below a long prefill's.
         max_len = int(seq_lens.max()) if seq_lens.device.type == "cpu" else meta.max_seq_len
@@ -158,7 +142,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = key_pos < row_lens
             if self.sliding_window is not None:  # the query sits at seq_len - 1
                 mask &= key_pos >= row_lens - self.sliding_window
-            o = self._attend(
+            o = self._sdpa(
                 query[start:stop].unsqueeze(2),  # [n, Hq, 1, D]
                 k.transpose(1, 2),  # [n, Hkv, L, D], a strided view: no copy
                 v.transpose(1, 2),
@@ -167,18 +151,10 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start:stop] = o.squeeze(2)
 
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def _prefill(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Rows [num_decodes, num_seqs): one SDPA call per row, written into `out` in place."""
         first = meta.num_decodes
+        key, value, key_cache, value_cache = kv
         # One host read per layer for the row bounds; free on CPU, a small sync on CUDA
         # (the flash_attn / xformers backends are the CUDA hot paths).
         starts = meta.query_start_loc[first:].tolist()
@@ -204,7 +180,7 @@ class TorchAttentionBackend(AttentionBackend):
                 if mask is None:
                     mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril()
                 mask = mask.triu(seq_len - q_len - self.sliding_window + 1)
-            o = self._attend(
+            o = self._sdpa(
                 q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, causal=mask is None
             )
             out[lo:hi] = o[0].transpose(0, 1)

@@ -27,11 +27,8 @@ from types import ModuleType
 
 import torch
 
-from ops.attention.base import AttentionBackend, AttentionMetadata
-from ops.attention.registry import BACKENDS
-from ops.dtypes import torch_dtype
+from ops.attention.base import AttentionBackend, AttentionMetadata, StepKV
 
-_DTYPES = tuple(torch_dtype(n) for n in BACKENDS["triton"].dtypes)  # its row's
 _MAX_HEAD_DIM = 256
 _MAX_SEGMENTS = 16
 # A decode segment is worth its launch and merge only over at least this many keys.
@@ -84,34 +81,19 @@ class TritonAttentionBackend(AttentionBackend):
     def _prepare(self) -> None:
         if self.head_dim > _MAX_HEAD_DIM:
             raise ValueError(f"attention_backend='triton' supports head_dim <= {_MAX_HEAD_DIM}; got {self.head_dim}.")
-        try:
-            from ops.attention import triton_kernels
-        except ImportError as exc:
-            raise ValueError(f"attention_backend='triton' needs the triton package (pip install triton): {exc}") \
-                from exc
-        self._kernels: ModuleType = triton_kernels
+        self._kernels: ModuleType = self._import("ops.attention.triton_kernels")
         self._group = self.num_heads // self.num_kv_heads
         self._head_dim_p = _pow2_at_least(self.head_dim, 16)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        if key_cache.dtype not in _DTYPES or query.dtype not in _DTYPES:
-            raise ValueError(
-                f"attention_backend='triton' supports float16/bfloat16/float32; got query {query.dtype}, "
-                f"cache {key_cache.dtype}."
-            )
+    def _check(self, query: torch.Tensor, kv: StepKV) -> None:
+        self._check_dtypes(query, kv)
+
+    def _attend(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         num_tokens, num_seqs = query.shape[0], meta.num_seqs
         if num_tokens == 0:
             return out
-        self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        key_cache, value_cache = kv.key_cache, kv.value_cache
         decode_only = meta.max_query_len == 1  # then num_tokens == num_seqs: one query block per row
         segments = 1
         if decode_only:
@@ -181,15 +163,11 @@ class TritonAttentionBackend(AttentionBackend):
             "BLOCK_SIZE": block_size,
         }
 
-    def _write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def _write_kv(self, kv: StepKV, slot_mapping: torch.Tensor) -> None:
         """The step's new K/V into their cache slots, cast to the cache dtype: one launch for both."""
+        key, value, key_cache, value_cache = kv
+        if key.shape[0] == 0:
+            return  # an empty grid does not launch
         self._kernels.write_kv_kernel[(key.shape[0],)](
             key, value, key_cache, value_cache, slot_mapping,
             *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),

@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from ops.attention.base import AttentionBackend, AttentionMetadata
-from ops.cache_ops import write_to_paged_cache
+from ops.attention.base import AttentionBackend, AttentionMetadata, StepKV
 
 
 @dataclass(frozen=True)
@@ -85,30 +84,14 @@ class XFormersBackend(AttentionBackend):
     name = "xformers"
 
     def _prepare(self) -> None:
-        try:
-            from xformers.ops import fmha
-        except ImportError as exc:
-            raise ValueError(
-                "attention_backend='xformers' needs the xformers package "
-                f"(pip install xformers>=0.0.28): {exc}"
-            ) from exc
-        self._fmha: Any = fmha
+        self._fmha: Any = self._import("xformers.ops").fmha
         self._group = self.num_heads // self.num_kv_heads
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_to_paged_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-        plan = _step_plan(meta, key_cache.shape[1], self.sliding_window, self._fmha)
+    def _attend(self, query: torch.Tensor, kv: StepKV, meta: AttentionMetadata) -> torch.Tensor:
+        plan = _step_plan(meta, kv.key_cache.shape[1], self.sliding_window, self._fmha)
         num_tokens, hkv, d = query.shape[0], self.num_kv_heads, self.head_dim
-        k = key_cache.view(-1, hkv, d).index_select(0, plan.kv_slots)  # [S, Hkv, D]
-        v = value_cache.view(-1, hkv, d).index_select(0, plan.kv_slots)
+        k = kv.key_cache.view(-1, hkv, d).index_select(0, plan.kv_slots)  # [S, Hkv, D]
+        v = kv.value_cache.view(-1, hkv, d).index_select(0, plan.kv_slots)
         num_keys = k.shape[0]
         if self._group == 1:
             q = query.reshape(1, num_tokens, hkv, d)

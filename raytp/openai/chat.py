@@ -23,7 +23,7 @@ from raytp.openai.context import DONE, ServingContext, sse
 from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error, unwrap
 from raytp.openai.logprobs import chat_logprobs
-from raytp.openai.models import ServedModels
+from raytp.openai.models import ModelsHandler, ServedModels
 from raytp.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -45,9 +45,9 @@ from request.sampling_params import SamplingParams
 _REASONING_TAIL_TOKENS = 32
 
 
-class ChatHandler:
+class ChatHandler(ModelsHandler):
     def __init__(self, models: ServedModels | ServingContext, settings: ChatSettings | None = None) -> None:
-        self.models = ServedModels.of(models)
+        super().__init__(models)
         self._settings = settings  # None: each model's own (ctx.chat)
 
     def settings(self, ctx: ServingContext) -> ChatSettings:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raytp.openai.reasoning import ReasoningParser, get_reasoning_parser, reasoning_parser_names
-from raytp.openai.tool_parsers import tool_parser_names
+from raytp.openai.reasoning import REASONING_PARSERS, ReasoningParser
+from raytp.openai.tool_parsers import TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -17,22 +17,18 @@ class ChatSettings:
         default=False, metadata={"help": "tool_choice auto: parse tool calls out of the text (needs a parser)"}
     )
     tool_call_parser: str | None = field(
-        default=None, metadata={"help": "the tool-call format of the model's output", "choices": tool_parser_names()}
+        default=None, metadata={"help": "the tool-call format of the model's output", "choices": TOOL_PARSERS.names()}
     )
     reasoning_parser: str | None = field(
         default=None,
-        metadata={"help": "split reasoning_content out of the output", "choices": reasoning_parser_names()},
+        metadata={"help": "split reasoning_content out of the output", "choices": REASONING_PARSERS.names()},
     )
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in tool_parser_names():
-            raise ValueError(
-                f"unknown tool-call parser {self.tool_call_parser!r}; registered: {', '.join(tool_parser_names())}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning_parser_names():
-            raise ValueError(
-                f"unknown reasoning parser {self.reasoning_parser!r}; registered: {', '.join(reasoning_parser_names())}"
-            )
+        if self.tool_call_parser is not None:
+            TOOL_PARSERS.check(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            REASONING_PARSERS.check(self.reasoning_parser)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (vLLM's --tool-call-parser).")
 
@@ -41,4 +37,4 @@ class ChatSettings:
         return self.enable_auto_tool_choice and self.tool_call_parser is not None
 
     def reasoning(self) -> ReasoningParser | None:
-        return get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser is not None else None
+        return REASONING_PARSERS.create(self.reasoning_parser) if self.reasoning_parser is not None else None

@@ -17,7 +17,7 @@ from raytp.openai.context import DONE, ServingContext, sse
 from raytp.openai.contract import check_refused
 from raytp.openai.errors import bad_request, to_openai_error
 from raytp.openai.logprobs import completion_logprobs
-from raytp.openai.models import ServedModels
+from raytp.openai.models import ModelsHandler
 from raytp.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,10 +30,7 @@ from raytp.openai.requests import requested_max_tokens, resolve_max_tokens, to_s
 from raytp.openai.stream import RequestStream, merge, start_all
 
 
-class CompletionHandler:
-    def __init__(self, models: ServedModels | ServingContext) -> None:
-        self.models = ServedModels.of(models)
-
+class CompletionHandler(ModelsHandler):
     async def _prompts(self, ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text if given as text and kept whole, token ids) per prompt, truncated as the request asks."""
         out: list[tuple[str | None, list[int]]] = []

@@ -28,7 +28,7 @@ from jinja2.exceptions import TemplateError
 from cluster.pooling import encode_truncated, pair_token_ids
 from raytp.chat_template import ChatTemplateError, render_chat, template_message
 from raytp.openai.chat_settings import ChatSettings
-from raytp.openai.engine_client import EngineClient
+from raytp.openai.engine_client import EngineClient, EngineRequest
 from raytp.openai.errors import bad_request
 from raytp.openai.protocol import ChatMessageIn
 from raytp.openai.stream import RequestStream
@@ -99,7 +99,8 @@ class ServingContext:
         """Engine request ids must be unique in the engine while a client's `X-Request-Id` need not be
         (two clients may send the same one): the engine id is the public id plus a random suffix, so a
         log line still names the request by its prefix."""
-        return RequestStream(self.client, f"{request_id}-{uuid.uuid4().hex[:8]}", prompt_token_ids, params, self.lora)
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        return RequestStream(self.client, EngineRequest(engine_id, prompt_token_ids, params, self.lora))
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_model_len * self.max_token_chars:

@@ -14,8 +14,7 @@ import numpy as np
 
 from cluster.pooling import truncate_ids, truncation_length
 from raytp.openai.completions import tokenized_prompts
-from raytp.openai.context import ServingContext
-from raytp.openai.models import ServedModels
+from raytp.openai.models import ModelsHandler
 from raytp.openai.pooling_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, PoolingUsage
 from raytp.openai.pooling_runs import run_pooling
 from request.pooling_params import PoolingParams
@@ -29,10 +28,7 @@ def encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
     return values.tolist()
 
 
-class EmbeddingHandler:
-    def __init__(self, models: ServedModels | ServingContext) -> None:
-        self.models = ServedModels.of(models)
-
+class EmbeddingHandler(ModelsHandler):
     async def create(self, req: EmbeddingRequest, request_id: str) -> EmbeddingResponse:
         ctx = self.models.resolve(req.model)
         params = PoolingParams(

@@ -18,6 +18,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import ray
@@ -36,17 +37,21 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request as a handler sends it through any transport (and as the Serve router reads it)."""
+
+    request_id: str  # unique in the engine while it runs (ServingContext.stream adds a random suffix)
+    prompt_token_ids: list[int]
+    params: SamplingParams | PoolingParams  # generation or pooling (the engine refuses the one it cannot run)
+    lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
+
+
 class EngineClient(Protocol):
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | PoolingParams,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """The request's deltas, the last with finished=True; closing the iterator early aborts it.
         A request the engine refuses raises (RequestError; LoRAError for an adapter it cannot load) before
-        the first delta. `lora_request`: the adapter to run with (None: the base model)."""
+        the first delta."""
         ...
 
     async def health(self) -> None:
@@ -72,15 +77,9 @@ class ServeEngineClient:
         info: ModelInfo = await self._handle.model_info.remote()
         return info
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | PoolingParams,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         with _own_routing_id():
-            stream = self._server.generate.remote(request_id, prompt_token_ids, params, lora_request)
+            stream = self._server.generate.remote(request)
         assert isinstance(stream, DeploymentResponseGenerator)  # a handle with stream=True
         finished = False
         try:
@@ -126,17 +125,12 @@ class ActorEngineClient:
         info: ModelInfo = await self._controller.model_info.remote()
         return info
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | PoolingParams,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         finished = False
         try:
+            # The actor is the engine loop itself (cluster/controller.py), whose generate takes the fields.
             stream: ray.ObjectRefGenerator = self._controller.generate.options(num_returns="streaming").remote(
-                request_id, prompt_token_ids, params, lora_request=lora_request
+                request.request_id, request.prompt_token_ids, request.params, lora_request=request.lora_request
             )
             async for ref in stream:
                 delta: RequestDelta = await ref
@@ -147,4 +141,4 @@ class ActorEngineClient:
             raise EngineDeadError(f"the engine controller died: {e}") from None
         finally:
             if not finished:
-                self._controller.abort.remote(request_id)
+                self._controller.abort.remote(request.request_id)

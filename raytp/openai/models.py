@@ -127,3 +127,11 @@ class ServedModels:
             max_model_len=base.max_model_len,
             quantization=base.quantization,
         )
+
+
+class ModelsHandler:
+    """Base of the route handlers (routes.py): the models one front door serves, over which each request's
+    `model` picks its ServingContext (`ServedModels.resolve`); a single context stands for itself."""
+
+    def __init__(self, models: ServedModels | ServingContext) -> None:
+        self.models = ServedModels.of(models)

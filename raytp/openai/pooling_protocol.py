@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import Field
 
@@ -47,13 +47,22 @@ class EmbeddingData(OpenAIModel):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(OpenAIModel):
+DataT = TypeVar("DataT", bound=OpenAIModel)
+
+
+class ListResponse(OpenAIModel, Generic[DataT]):
+    """OpenAI's list object, the shape of /v1/embeddings' answer that vLLM's /v1/score answer takes too."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
+    data: list[DataT]
     usage: PoolingUsage
+
+
+class EmbeddingResponse(ListResponse[EmbeddingData]):
+    """/v1/embeddings' answer: one vector per input, in input order."""
 
 
 class ScoreRequest(OpenAIRequest):
@@ -70,13 +79,8 @@ class ScoreData(OpenAIModel):
     score: float
 
 
-class ScoreResponse(OpenAIModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreData]
-    usage: PoolingUsage
+class ScoreResponse(ListResponse[ScoreData]):
+    """/v1/score's answer: one score per pair, in pair order."""
 
 
 class RerankRequest(OpenAIRequest):

@@ -16,7 +16,7 @@ bodies, so a batch line accepts exactly what the HTTP server accepts.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -285,21 +285,39 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
+LogprobsT = TypeVar("LogprobsT", bound=OpenAIModel)
+
+
+class Choice(OpenAIModel, Generic[LogprobsT]):
+    """What every choice object carries beside its content (a subclass adds `text`, `message` or `delta`)."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: LogprobsT | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
 
 
-class CompletionResponse(OpenAIModel):
+class CompletionChoice(Choice[CompletionLogprobs]):
+    text: str
+
+
+ChoiceT = TypeVar("ChoiceT", bound=OpenAIModel)
+
+
+class ChoicesResponse(OpenAIModel, Generic[ChoiceT]):
+    """The envelope OpenAI's completion, chat completion and chat chunk objects share; each class names its
+    `object` (a subclass's field keeps its place here, so the JSON order stays OpenAI's)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[ChoiceT]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(ChoicesResponse[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
 
 
 class TopLogprob(OpenAIModel):
@@ -323,39 +341,21 @@ class ChatMessageOut(OpenAIModel):
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
-class ChatChoice(OpenAIModel):
-    index: int
+class ChatChoice(Choice[ChatLogprobs]):
     message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
-class ChatStreamChoice(OpenAIModel):
-    index: int
+class ChatStreamChoice(Choice[ChatLogprobs]):
     # {"role": ...} first, then {"content": ...}, {"reasoning_content": ...} or {"tool_calls": [...]}; {} at the end
     delta: dict[str, Any]
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(OpenAIModel):
-    id: str
+class ChatCompletionChunk(ChoicesResponse[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(OpenAIModel):

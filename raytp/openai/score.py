@@ -7,8 +7,7 @@ cosine of their embeddings. A generation model is refused by the engine (a 400 n
 from __future__ import annotations
 
 from cluster.pooling_outputs import score_pairs as pair_up
-from raytp.openai.context import ServingContext
-from raytp.openai.models import ServedModels
+from raytp.openai.models import ModelsHandler
 from raytp.openai.pooling_protocol import (
     PoolingUsage,
     RerankDocument,
@@ -22,10 +21,7 @@ from raytp.openai.pooling_protocol import (
 from raytp.openai.pooling_runs import score_pairs
 
 
-class ScoreHandler:
-    def __init__(self, models: ServedModels | ServingContext) -> None:
-        self.models = ServedModels.of(models)
-
+class ScoreHandler(ModelsHandler):
     async def create(self, req: ScoreRequest, request_id: str) -> ScoreResponse:
         ctx = self.models.resolve(req.model)
         pairs = pair_up(req.text_1, req.text_2)
@@ -35,10 +31,7 @@ class ScoreHandler:
         return ScoreResponse(id=request_id, model=ctx.model_name, data=data, usage=usage)
 
 
-class RerankHandler:
-    def __init__(self, models: ServedModels | ServingContext) -> None:
-        self.models = ServedModels.of(models)
-
+class RerankHandler(ModelsHandler):
     async def create(self, req: RerankRequest, request_id: str) -> RerankResponse:
         ctx = self.models.resolve(req.model)
         pairs = pair_up(req.query, req.documents)

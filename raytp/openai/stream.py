@@ -12,28 +12,18 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from cluster.outputs import PromptInfo, RequestDelta, RequestOutput, RequestOutputBuilder
-from raytp.openai.engine_client import EngineClient
+from raytp.openai.engine_client import EngineClient, EngineRequest
 from raytp.openai.errors import request_failed
-from request.lora import LoRARequest
-from request.pooling_params import PoolingParams
-from request.sampling_params import SamplingParams
 
 
 class RequestStream:
     """Deltas of one request; `start` surfaces a refusal (400/503) before any HTTP header is sent."""
 
-    def __init__(
-        self,
-        client: EngineClient,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | PoolingParams,
-        lora_request: LoRARequest | None = None,
-    ):
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self._it = client.generate(request_id, prompt_token_ids, params, lora_request)
+    def __init__(self, client: EngineClient, request: EngineRequest):
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params = request.params
+        self._it = client.generate(request)
         self._first: RequestDelta | None = None
         self.prompt: PromptInfo | None = None  # from the first delta (prompt logprobs, cached tokens)
         self._done = False

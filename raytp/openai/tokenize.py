@@ -3,16 +3,12 @@ model the request names, as the generation routes apply them, without running th
 
 from __future__ import annotations
 
-from raytp.openai.context import ServingContext
 from raytp.openai.errors import bad_request
-from raytp.openai.models import ServedModels
+from raytp.openai.models import ModelsHandler
 from raytp.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
-class TokenizeHandler:
-    def __init__(self, models: ServedModels | ServingContext) -> None:
-        self.models = ServedModels.of(models)
-
+class TokenizeHandler(ModelsHandler):
     async def create(self, req: TokenizeRequest, request_id: str) -> TokenizeResponse:
         ctx = self.models.resolve(req.model)
         if req.messages is not None and req.prompt is None:
@@ -24,10 +20,7 @@ class TokenizeHandler:
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
 
-class DetokenizeHandler:
-    def __init__(self, models: ServedModels | ServingContext) -> None:
-        self.models = ServedModels.of(models)
-
+class DetokenizeHandler(ModelsHandler):
     async def create(self, req: DetokenizeRequest, request_id: str) -> DetokenizeResponse:
         ctx = self.models.resolve(req.model)
         if any(t >= ctx.vocab_size for t in req.tokens):

@@ -18,7 +18,7 @@ from typing import Any
 
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.protocol import ChatTool, NamedToolChoice, ToolFields
-from raytp.openai.tool_parsers import ToolParser, get_tool_parser
+from raytp.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from raytp.openai.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from request.errors import RequestError
 from request.structured_outputs import StructuredOutputsParams
@@ -67,7 +67,7 @@ def plan_tools(req: ToolFields, settings: ChatSettings) -> ToolPlan:
             "tool_choice",
         )
     assert settings.tool_call_parser is not None
-    parser = get_tool_parser(settings.tool_call_parser)
+    parser = TOOL_PARSERS.create(settings.tool_call_parser)
     return ToolPlan(template_tools, parser, None if parallel else 1, _strict_constraint(tools, parser, settings))
 
 

@@ -22,12 +22,11 @@ from ray import serve
 from cluster.config import EngineConfig
 from cluster.loop_records import LoopStats, ModelInfo
 from cluster.outputs import RequestDelta
+from raytp.openai.engine_client import EngineRequest
 from raytp.openai.errors import EngineOverloadedError
 from raytp.serve.args import ModelArgs
 from raytp.serve.lora_sync import LoRASync
 from request.lora import LoRAError, LoRARequest
-from request.pooling_params import PoolingParams
-from request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -85,21 +84,16 @@ class ModelReplica:
     def tokenizer(self) -> Any:
         return self._engine.engine.tokenizer
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | PoolingParams,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """Stream the engine's deltas. Closing this stream early (client gone) aborts the request."""
         self._admit()
         waiting = True  # counted in self._num_waiting until its first delta arrives
         try:
             # aclosing: a stream closed early closes the engine's generator at once, which aborts the
             # request and frees its blocks (not whenever the garbage collector finalizes it).
+            r = request
             async with contextlib.aclosing(
-                self._engine.generate(request_id, prompt_token_ids, params, lora_request)
+                self._engine.generate(r.request_id, r.prompt_token_ids, r.params, r.lora_request)
             ) as deltas:
                 async for delta in deltas:
                     if waiting:

@@ -34,13 +34,16 @@ import random
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kv.prefix_cache import BlockHash, hash_block
+
+if TYPE_CHECKING:
+    from raytp.openai.engine_client import EngineRequest
 
 DEFAULT_ROUTING_BLOCK_SIZE = 16
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 1 << 16  # 64 Ki keys (~10 MiB with the dict) per replica and router
@@ -156,9 +159,9 @@ def rank_replicas(
     return [[chosen], rest] if rest else [[chosen]]
 
 
-def adapter_id(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
-    """The LoRA adapter of a `generate(request_id, prompt_token_ids, params, lora_request=None)` call."""
-    lora = kwargs.get("lora_request", args[3] if len(args) > 3 else None)
+def adapter_id(request: EngineRequest) -> int | None:
+    """The LoRA adapter an engine request (the one argument of `LLMServer.generate`) runs with; None: none."""
+    lora = request.lora_request
     return None if lora is None else int(lora.lora_int_id)
 
 
@@ -189,10 +192,10 @@ class PrefixAwareRouter(RequestRouter):
         if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
             return []
         args, kwargs = pending_request.args, pending_request.kwargs
-        prompt = kwargs.get("prompt_token_ids", args[1] if len(args) > 1 else None)
-        if prompt is None:
+        request: EngineRequest | None = kwargs.get("request", args[0] if args else None)
+        if request is None:
             return []
-        return prompt_keys(prompt, self._block_size, adapter_id(args, kwargs))
+        return prompt_keys(request.prompt_token_ids, self._block_size, adapter_id(request))
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from ops.attention.base import AttentionMetadata
+from ops.attention.base import AttentionMetadata, StepKV
 from ops.attention.torch_backend import TorchAttentionBackend
 from tests.helpers.isa import needs_avx512, rerun_on_avx2
 
@@ -58,6 +58,12 @@ def _random_paged_decode(
     return query, key_cache, value_cache, meta
 
 
+def _cached(key_cache: torch.Tensor, value_cache: torch.Tensor) -> StepKV:
+    """A decode step's K/V as the reference's `_decode` reads them: everything already in the cache."""
+    no_new = key_cache.new_empty(0, *key_cache.shape[2:])
+    return StepKV(no_new, no_new, key_cache, value_cache)
+
+
 def _assert_kernel_matches_reference(
     kernels: ModuleType,
     query: torch.Tensor,
@@ -71,7 +77,7 @@ def _assert_kernel_matches_reference(
     options = {"sliding_window": window, "logits_soft_cap": cap}
     reference = TorchAttentionBackend(num_heads, key_cache.shape[2], head_dim, head_dim**-0.5, **options)
     expected = torch.empty_like(query)
-    reference._decode(query, key_cache, value_cache, meta, expected)
+    reference._decode(query, _cached(key_cache, value_cache), meta, expected)
     if window is not None:  # (the reference reads and masks them; NaN would spread through its matmul)
         key_cache, value_cache = _poison_before_window(key_cache, value_cache, meta, window)
     out = torch.full_like(query, float("nan"))
@@ -172,7 +178,7 @@ def test_decode_kernel_softmax_of_widely_spread_scores(kernels: ModuleType) -> N
     query, key_cache, value_cache, meta = _random_paged_decode(gen, [300, 70], (9, 3), 64, 16)
     query = query * 40.0  # scores spread over thousands: most weights are exactly 0
     expected = torch.empty_like(query)
-    TorchAttentionBackend(9, 3, 64, 0.125)._decode(query, key_cache, value_cache, meta, expected)
+    TorchAttentionBackend(9, 3, 64, 0.125)._decode(query, _cached(key_cache, value_cache), meta, expected)
     out = torch.empty_like(query)
     kernels.paged_decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, 0.125, out)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
@@ -192,7 +198,7 @@ def test_decode_kernel_reads_strided_query_and_writes_a_slice(kernels: ModuleTyp
     fused = torch.randn(len(lens), (9 + 2 * 3) * 64, generator=gen)
     query = fused[:, : 9 * 64].view(len(lens), 9, 64)
     expected = torch.empty(len(lens), 9, 64)
-    TorchAttentionBackend(9, 3, 64, 0.125)._decode(query, key_cache, value_cache, meta, expected)
+    TorchAttentionBackend(9, 3, 64, 0.125)._decode(query, _cached(key_cache, value_cache), meta, expected)
     whole = torch.zeros(len(lens) + 2, 9, 64)
     kernels.paged_decode_attention(
         query, key_cache, value_cache, meta.block_tables, meta.seq_lens, 0.125, whole[: len(lens)]

@@ -19,6 +19,7 @@ from cluster.outputs import PromptInfo, RequestDelta, SampleDelta
 from raytp.openai.chat import ChatHandler
 from raytp.openai.chat_settings import ChatSettings
 from raytp.openai.context import ServingContext
+from raytp.openai.engine_client import EngineRequest
 from raytp.openai.errors import OpenAIError
 from raytp.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from raytp.openai.tools import NO_ARGUMENTS
@@ -55,9 +56,9 @@ class FakeEngine:
         self.params: SamplingParams | None = None
         self.prompt_ids: list[int] = []
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_request: object = None
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        assert isinstance(params, SamplingParams)
         self.params, self.prompt_ids = params, prompt_token_ids
         yield RequestDelta(request_id, prompt=PromptInfo(None, prompt_token_ids, None, 0))
         longest = max(len(t) for t in self.texts)

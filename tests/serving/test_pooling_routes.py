@@ -19,6 +19,7 @@ from cluster.config import EngineConfig  # noqa: E402
 from cluster.engine import LLMEngine  # noqa: E402
 from cluster.outputs import RequestDelta  # noqa: E402
 from raytp.openai.context import ServingContext, max_token_chars  # noqa: E402
+from raytp.openai.engine_client import EngineRequest  # noqa: E402
 from raytp.openai.errors import OpenAIError, to_openai_error  # noqa: E402
 from raytp.openai.routes import ROUTES_BY_PATH, handlers  # noqa: E402
 from tests.helpers.tiny_pooling import TEXTS, make_cross_encoder, make_st_encoder  # noqa: E402
@@ -32,9 +33,8 @@ class InProcessClient:
         self.engine = engine
         self.queues: dict[str, list[RequestDelta]] = {}
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, lora_request: Any = None
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
         self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
         queue = self.queues[request_id] = []
         done = False

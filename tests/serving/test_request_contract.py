@@ -24,6 +24,7 @@ from raytp.openai.chat import ChatHandler
 from raytp.openai.completions import CompletionHandler
 from raytp.openai.context import ServingContext, max_token_chars
 from raytp.openai.contract import METADATA, refusals
+from raytp.openai.engine_client import EngineRequest
 from raytp.openai.errors import to_openai_error, validation_error
 from raytp.openai.protocol import (
     ChatCompletionRequest,
@@ -56,9 +57,9 @@ class FakeEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_request: object = None
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        assert isinstance(params, SamplingParams)
         self.calls.append((list(prompt_token_ids), params))
         prompt_lps = None
         if params.prompt_logprobs is not None:

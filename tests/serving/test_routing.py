@@ -13,6 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from kv.prefix_cache import hash_full_blocks
+from raytp.openai.engine_client import EngineRequest
 from raytp.serve.routing import (
     PrefixAwareRouter,
     PrefixTable,
@@ -42,9 +43,8 @@ def test_an_adapter_roots_its_own_chain() -> None:
 
 def test_adapter_id_reads_the_generate_call() -> None:
     lora = LoRARequest("sql", 7, "/adapters/sql")
-    assert adapter_id(["r", [1], SamplingParams()], {}) is None
-    assert adapter_id(["r", [1], SamplingParams(), lora], {}) == 7
-    assert adapter_id(["r", [1], SamplingParams()], {"lora_request": lora}) == 7
+    assert adapter_id(EngineRequest("r", [1], SamplingParams())) is None
+    assert adapter_id(EngineRequest("r", [1], SamplingParams(), lora)) == 7
 
 
 def test_table_matches_the_longest_recorded_prefix_per_replica() -> None:
@@ -150,7 +150,7 @@ def _router(replicas: list[FakeReplica], threshold: int = 2) -> PrefixAwareRoute
 
 def _generate(prompt: list[int], method: str = "generate") -> PendingRequest:
     meta = RequestMetadata(request_id="r", internal_request_id="i", call_method=method)
-    return PendingRequest(args=["r", prompt, SamplingParams()], kwargs={}, metadata=meta)
+    return PendingRequest(args=[EngineRequest("r", prompt, SamplingParams())], kwargs={}, metadata=meta)
 
 
 async def _route(router: PrefixAwareRouter, pr: PendingRequest, accepted: bool = True) -> ReplicaID:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from raytp.openai.chat_output import Message, SampleParser, fold
-from raytp.openai.reasoning import get_reasoning_parser, reasoning_parser_names
-from raytp.openai.tool_parsers import get_tool_parser, tool_parser_names
+from raytp.openai.reasoning import REASONING_PARSERS
+from raytp.openai.tool_parsers import TOOL_PARSERS
 from raytp.openai.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from raytp.openai.tool_parsers.json_scan import scan_members, scan_value
 
@@ -72,7 +72,7 @@ def calls(msg: Message) -> list[tuple[str, Any]]:
 
 
 def tool_sampler(name: str, max_calls: int | None = None) -> Any:
-    return lambda: SampleParser(None, get_tool_parser(name), max_calls)
+    return lambda: SampleParser(None, TOOL_PARSERS.create(name), max_calls)
 
 
 # ----------------------------------------------------------------------------- the JSON scanner
@@ -95,9 +95,9 @@ def test_scanner_reports_complete_arriving_and_broken_values() -> None:
 
 
 def test_registry_names_and_refusal() -> None:
-    assert tool_parser_names() == ["hermes", "llama3_json", "mistral"]
+    assert TOOL_PARSERS.names() == ["hermes", "llama3_json", "mistral"]
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
-        get_tool_parser("nope")
+        TOOL_PARSERS.create("nope")
 
 
 HERMES = [
@@ -177,7 +177,7 @@ def test_mistral_whole_text() -> None:
     assert msg.content == "Sure."
     assert calls(msg) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]
     assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in msg.tool_calls)
-    assert get_tool_parser("mistral").needs_special_tokens
+    assert TOOL_PARSERS.create("mistral").needs_special_tokens
     assert whole(tool_sampler("mistral"), MISTRAL[2]).content == MISTRAL[2]
 
 
@@ -201,13 +201,13 @@ def test_a_cut_off_call_keeps_what_arrived() -> None:
 
 
 def reasoning_sampler(name: str, tools: str | None = None) -> Any:
-    return lambda: SampleParser(get_reasoning_parser(name), get_tool_parser(tools) if tools else None, None)
+    return lambda: SampleParser(REASONING_PARSERS.create(name), TOOL_PARSERS.create(tools) if tools else None, None)
 
 
 def test_reasoning_registry() -> None:
-    assert reasoning_parser_names() == ["deepseek_r1", "qwen3"]
+    assert REASONING_PARSERS.names() == ["deepseek_r1", "qwen3"]
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
-        get_reasoning_parser("nope")
+        REASONING_PARSERS.create("nope")
 
 
 REASONING = [

@@ -1,32 +1,22 @@
 """Tool-call parsers by name, as `--tool-call-parser NAME` picks them (vLLM's ToolParserManager names).
 
 Each parser lives in its own module, imported only when named. Adding one is a module with a
-`ToolParser` subclass and one line in `_PARSERS`.
+`ToolParser` subclass and one row in `TOOL_PARSERS`.
 """
 
 from __future__ import annotations
 
-import importlib
-
+from raytp.openai.plugins import PluginTable
 from raytp.openai.tool_parsers.base import CallSnapshot, Snapshot, ToolCallStream, ToolParser
 
-__all__ = ["CallSnapshot", "Snapshot", "ToolCallStream", "ToolParser", "get_tool_parser", "tool_parser_names"]
+__all__ = ["CallSnapshot", "Snapshot", "ToolCallStream", "ToolParser", "TOOL_PARSERS"]
 
-_PARSERS: dict[str, tuple[str, str]] = {
-    "hermes": ("raytp.openai.tool_parsers.hermes", "HermesToolParser"),
-    "llama3_json": ("raytp.openai.tool_parsers.llama3_json", "Llama3JsonToolParser"),
-    "mistral": ("raytp.openai.tool_parsers.mistral", "MistralToolParser"),
-}
+TOOL_PARSERS: PluginTable[ToolParser] = PluginTable(
+    "tool-call parser",
+    {
+        "hermes": ("raytp.openai.tool_parsers.hermes", "HermesToolParser"),
+        "llama3_json": ("raytp.openai.tool_parsers.llama3_json", "Llama3JsonToolParser"),
+        "mistral": ("raytp.openai.tool_parsers.mistral", "MistralToolParser"),
+    },
+)
 
-
-def tool_parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """A new parser (parsers keep no state, but streams do: one ToolCallStream per sample)."""
-    if name not in _PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; registered: {', '.join(tool_parser_names())}")
-    module, cls = _PARSERS[name]
-    parser: ToolParser = getattr(importlib.import_module(module), cls)()
-    return parser
