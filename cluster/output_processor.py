@@ -64,7 +64,7 @@ def held_back_len(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sample:
     """One sequence as the user sees it."""
 
@@ -78,20 +78,14 @@ class _Sample:
     held: list[SampleDelta] = field(default_factory=list)  # best_of > n: deltas kept until the choice is made
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     group: SequenceGroup
+    params: SamplingParams  # the group's (frozen: read once here, not per step)
+    # best_of > n: nothing is sent until every sample finished and the best n are chosen.
+    holds: bool
     samples: dict[int, _Sample] = field(default_factory=dict)  # seq_id -> sample
     prompt_sent: bool = False
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.group.sampling_params
-
-    @property
-    def holds(self) -> bool:
-        """best_of > n: nothing is sent until every sample finished and the best n are chosen."""
-        return self.params.actual_best_of > self.params.n
 
 
 def select_best_of(samples: list[_Sample], n: int) -> list[_Sample]:
@@ -105,7 +99,8 @@ class OutputProcessor:
         self._requests: dict[str, _Request] = {}
 
     def add_request(self, group: SequenceGroup) -> None:
-        self._requests[group.request_id] = _Request(group)
+        params = group.sampling_params
+        self._requests[group.request_id] = _Request(group, params, params.actual_best_of > params.n)
 
     @property
     def num_requests(self) -> int:
@@ -128,14 +123,19 @@ class OutputProcessor:
     def _process_request(self, req: _Request, stopped: list[tuple[Sequence, str]]) -> RequestDelta | None:
         group = req.group
         changed: list[SampleDelta] = []
+        samples = req.samples
         for seq in group.seqs:
-            sample = req.samples.get(seq.seq_id)
+            sample = samples.get(seq.seq_id)
             if sample is None:
-                sample = req.samples[seq.seq_id] = self._new_sample(req, seq)
+                sample = samples[seq.seq_id] = self._new_sample(req, seq)
             delta = self._process_sample(req, sample, stopped)
             if delta is not None:
                 changed.append(delta)
-        finished = all(s.finish_reason is not None for s in req.samples.values())
+        finished = True  # (a loop, not all() over a generator: this runs for every request every step)
+        for sample in samples.values():
+            if sample.finish_reason is None:
+                finished = False
+                break
         if req.holds:
             by_index = {s.seq.sample_index: s for s in req.samples.values()}
             for d in changed:
@@ -174,32 +174,43 @@ class OutputProcessor:
             return None  # its final delta went out; tokens the scheduler still appended are dropped
         seq, params = s.seq, req.params
         start = s.num_tokens
-        new_ids = seq.output_token_ids[start:]
-        s.num_tokens = len(seq.output_token_ids)
+        output_ids = seq.output_token_ids
+        new_ids = output_ids[start:]
+        s.num_tokens = len(output_ids)
         taken = len(new_ids)
         stop = None
-        for i, tok in enumerate(new_ids):
-            searched = len(s.tail) + len(s.pending)
-            s.pending += self.detok.step(s.detok, tok)
-            if params.stop and start + i + 1 >= params.min_tokens:
-                stop = self._check_stop_strings(s, params, searched)
-                if stop is not None:
-                    taken = i + 1  # tokens after the one completing the stop string are not part of the output
-                    break
-        if stop is not None:
-            s.finish_reason, s.stop_reason = "stop", stop
-            if not seq.is_finished:
-                stopped.append((seq, stop))
-        elif seq.is_finished:
-            s.finish_reason, s.stop_reason = seq.status.finish_reason, seq.stop_reason
-        text = self._release(s, params)
+        detok_step, state = self.detok.step, s.detok
+        if not params.stop:  # the common case: nothing to search, the text goes out whole (_release)
+            if taken == 1:
+                text = s.pending + detok_step(state, new_ids[0])
+            else:
+                text = s.pending + "".join([detok_step(state, tok) for tok in new_ids])
+            s.pending = ""
+            if seq.is_finished:
+                s.finish_reason, s.stop_reason = seq.status.finish_reason, seq.stop_reason
+        else:
+            for i, tok in enumerate(new_ids):
+                searched = len(s.tail) + len(s.pending)
+                s.pending += detok_step(state, tok)
+                if start + i + 1 >= params.min_tokens:
+                    stop = self._check_stop_strings(s, params, searched)
+                    if stop is not None:
+                        taken = i + 1  # tokens after the one completing the stop string are not part of the output
+                        break
+            if stop is not None:
+                s.finish_reason, s.stop_reason = "stop", stop
+                if not seq.is_finished:
+                    stopped.append((seq, stop))
+            elif seq.is_finished:
+                s.finish_reason, s.stop_reason = seq.status.finish_reason, seq.stop_reason
+            text = self._release(s, params)
         if not taken and not text and s.finish_reason is None:
             return None
         want = params.logprobs is not None
         return SampleDelta(
             index=seq.sample_index,
             text=text,
-            token_ids=new_ids[:taken],
+            token_ids=new_ids if taken == len(new_ids) else new_ids[:taken],
             logprobs=[self._convert(e) for e in seq.output_logprobs[start : start + taken]] if want else None,
             cumulative_logprob=seq.cumulative_logprob if want else None,
             finish_reason=s.finish_reason,

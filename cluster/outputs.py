@@ -38,7 +38,7 @@ class RequestMetrics:
 # ----------------------------------------------------------------------------- the stream
 
 
-@dataclass
+@dataclass(slots=True)  # one per changed sample per step (slots: cheaper to build, to pickle, to keep)
 class SampleDelta:
     """What one sample (one of the request's n outputs) gained in one step."""
 
@@ -61,7 +61,7 @@ class PromptInfo:
     num_cached_tokens: int  # leading prompt tokens whose KV came from the prefix cache
 
 
-@dataclass
+@dataclass(slots=True)  # one per changed request per step
 class RequestDelta:
     request_id: str
     samples: list[SampleDelta] = field(default_factory=list)  # only samples that changed

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kv.block_pool import BlockPool, NoFreeBlocksError
 from kv.prefix_cache import BlockHash, hash_full_blocks, match_prefix
+
+_NO_BLOCKS: frozenset[int] = frozenset()  # _growth's answer when nothing is shared (no set built per decode)
+_NO_PENDING: Mapping[int, int] = {}  # append_slots: no earlier appends in its batch (never written)
 
 
 class AllocStatus(enum.Enum):
@@ -111,12 +115,15 @@ class BlockManager:
     def can_append_slots(self, appends: Sequence[tuple[int, int, int]]) -> bool:
         """Whether every `(seq_id, num_total_tokens, num_computed_tokens)`, the arguments of `append_slots` in
         the order they will be made, fits in the free device blocks, copy-on-write copies included."""
-        pending: Counter[int] = Counter()  # references the earlier appends give up by copying
+        pending: Mapping[int, int] = _NO_PENDING  # references the earlier appends give up by copying
         needed = 0
         for seq_id, num_total, num_computed in appends:
             cow, new = self._growth(self._device_seq(seq_id), num_total, num_computed, pending)
-            pending.update(cow)
-            needed += len(cow) + new
+            if cow:
+                pending = Counter(pending)  # (built only once a copy shows up: a decode batch rarely has one)
+                pending.update(cow)
+                needed += len(cow)
+            needed += new
         return needed <= self._device.num_free
 
     def append_slots(self, seq_id: int, num_total_tokens: int, num_computed_tokens: int) -> list[tuple[int, int]]:
@@ -127,9 +134,13 @@ class BlockManager:
         place, without a second copy.
         """
         seq = self._device_seq(seq_id)
-        cow, new = self._growth(seq, num_total_tokens, num_computed_tokens, Counter())
+        cow, new = self._growth(seq, num_total_tokens, num_computed_tokens, _NO_PENDING)
         if len(cow) + new > self._device.num_free:
             raise NoFreeBlocksError(f"seq {seq_id} needs {len(cow) + new} blocks; ask can_append_slots")
+        if not cow:  # the common case (a decode in a block of its own): no copy to look for
+            if new:
+                seq.table.extend(self._device.allocate() for _ in range(new))
+            return []
         copies: list[tuple[int, int]] = []
         first = num_computed_tokens // self.block_size
         for i in range(first, len(seq.table)):
@@ -273,7 +284,9 @@ class BlockManager:
         return seq
 
     def _device_seq(self, seq_id: int) -> _SeqBlocks:
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id)  # (not through _seq: twice per decode row per step)
+        if seq is None:
+            raise KeyError(f"seq {seq_id} has no blocks")
         if seq.on_cpu:
             raise ValueError(f"seq {seq_id} is swapped out")
         return seq
@@ -302,20 +315,29 @@ class BlockManager:
         return needed - len(hits) + revived
 
     def _growth(
-        self, seq: _SeqBlocks, num_total: int, num_computed: int, pending: Counter[int]
-    ) -> tuple[set[int], int]:
+        self, seq: _SeqBlocks, num_total: int, num_computed: int, pending: Mapping[int, int]
+    ) -> tuple[AbstractSet[int], int]:
         """Shared blocks that writing [num_computed, num_total) must copy, and how many blocks to append.
 
         `pending` holds references siblings give up earlier in the same batch of appends.
         """
         if not 0 <= num_computed <= num_total:
             raise ValueError(f"need 0 <= num_computed_tokens ({num_computed}) <= num_total ({num_total})")
-        end = self._blocks_for(num_total)
-        new = max(0, end - len(seq.table))
+        end = -(-num_total // self.block_size)
+        new = end - len(seq.table)
+        if new < 0:
+            new = 0
         if num_computed == num_total:
-            return set(), new
-        written = seq.table[num_computed // self.block_size : end]
-        cow = {b for b in written if self._device.ref_count(b) - pending[b] > 1}
+            return _NO_BLOCKS, new
+        ref_count = self._device.ref_count
+        first = num_computed // self.block_size
+        if end - first == 1 and first < len(seq.table):  # a decode: one block written, rarely shared
+            block = seq.table[first]
+            if ref_count(block) - pending.get(block, 0) <= 1:
+                return _NO_BLOCKS, new
+            return {block}, new
+        written = seq.table[first:end]
+        cow = {b for b in written if ref_count(b) - pending.get(b, 0) > 1}
         return cow, new
 
     def _distinct_blocks(self, seq_ids: Sequence[int], on_cpu: bool) -> Counter[int]:

@@ -186,6 +186,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _host_inputs(self, rows: list[_Row]) -> _HostStep:
+        if all(r.num_scheduled == 1 for r in rows):
+            return self._decode_inputs(rows)
+        return self._spread_inputs(rows)
+
+    def _spread_inputs(self, rows: list[_Row]) -> _HostStep:
+        """Any step's inputs: each row's query spread over its tokens with tensor ops."""
         q_lens_list = [r.num_scheduled for r in rows]
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(r.input_ids() for r in rows)),
@@ -201,12 +207,7 @@ class ModelRunner:
         positions = (
             torch.arange(num_tokens, dtype=torch.int32) - query_start_loc[:-1][row_of_token] + computed[row_of_token]
         ).long()
-        # One tensor from the padded lists: a tensor per row cost ~40 us each (256 rows, 40 blocks: 11 -> 0.9 ms,
-        # 2 shared cores); pad entries are never read (a row reads the blocks its seq_len covers).
-        max_blocks = max(len(r.state.block_ids) for r in rows)
-        block_tables = torch.tensor(
-            [r.state.block_ids + [0] * (max_blocks - len(r.state.block_ids)) for r in rows], dtype=torch.int32
-        )
+        block_tables = _block_tables(rows, max(len(r.state.block_ids) for r in rows))
         block_of_token = block_tables[row_of_token, positions // self.block_size].long()
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
         return _HostStep(
@@ -219,6 +220,42 @@ class ModelRunner:
             starts=query_start_loc.tolist(),
             max_query_len=max(q_lens_list),
             num_decodes=sum(1 for n in q_lens_list if n == 1),
+        )
+
+    def _decode_inputs(self, rows: list[_Row]) -> _HostStep:
+        """`_host_inputs` of a step of one token per row, in one pass over the rows: the same tensors, without
+        the ops that spread each row's query over its tokens (a row's one token sits at its computed count).
+        Small torch ops cost more than these Python lines when the cores are busy. A one-token row with a
+        proposal (the draft model's passes, model_exec/draft_model.py) runs that proposal, as `_Row.input_ids`."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        max_blocks = 0
+        for r in rows:
+            state, pos = r.state, r.num_computed
+            num_prompt = len(state.prompt_token_ids)
+            if r.drafts:
+                input_ids.append(r.drafts[0])
+            else:
+                input_ids.append(
+                    state.prompt_token_ids[pos] if pos < num_prompt else state.output_token_ids[pos - num_prompt]
+                )
+            positions.append(pos)
+            slots.append(state.block_ids[pos // bs] * bs + pos % bs)
+            max_blocks = max(max_blocks, len(state.block_ids))
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        num_rows = len(rows)
+        return _HostStep(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=positions_t,
+            query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32),
+            seq_lens=(positions_t + 1).to(torch.int32),
+            block_tables=_block_tables(rows, max_blocks),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            starts=list(range(num_rows + 1)),
+            max_query_len=1,
+            num_decodes=num_rows,
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -295,7 +332,10 @@ class ModelRunner:
         # selection on every rank (gather is collective).
         starts = host.starts
         sample_rows = [i for i, r in enumerate(rows) if r.seq_id in so.num_samples]
-        select = [p for i in sample_rows for p in range(starts[i + 1] - 1 - len(rows[i].drafts), starts[i + 1])]
+        if host.max_query_len == 1 and not any(r.drafts for r in rows):  # pure decode: row i's token is hidden row i
+            select = list(sample_rows)
+        else:
+            select = [p for i in sample_rows for p in range(starts[i + 1] - 1 - len(rows[i].drafts), starts[i + 1])]
         num_sample_logits = len(select)
         plp_spans: list[tuple[int, int, int]] = []  # (row, first position, count)
         plp_wanted = set(so.prompt_logprobs_seq_ids)
@@ -363,6 +403,15 @@ class ModelRunner:
             ],
             self.eos_token_ids,
         )
+
+
+def _block_tables(rows: list[_Row], max_blocks: int) -> torch.Tensor:
+    """int32 [rows, max_blocks]: one tensor from the padded lists (a tensor per row cost ~40 us each: 256 rows,
+    40 blocks: 11 -> 0.9 ms on 2 shared cores); pad entries are never read (a row reads the blocks its seq_len
+    covers)."""
+    return torch.tensor(
+        [r.state.block_ids + [0] * (max_blocks - len(r.state.block_ids)) for r in rows], dtype=torch.int32
+    )
 
 
 def _top_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:

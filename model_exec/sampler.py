@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
@@ -364,13 +364,17 @@ def _raw_logprobs(
     deltas: list[float] = []
     lp_parts: list[torch.Tensor] = []
     lp_next = 0
+    one_each = len(draw_tokens) == num_rows  # every row one draw (no fork this step): draw i is row i's
     for start in range(0, num_rows, size):
         end = min(start + size, num_rows)
         part = torch.log_softmax(logits[start:end], dim=-1)
-        counts = torch.tensor([offsets[i + 1] - offsets[i] for i in range(start, end)], device=device)
-        rows_t = torch.repeat_interleave(torch.arange(end - start, device=device), counts)
         tokens_t = torch.tensor(draw_tokens[offsets[start] : offsets[end]], dtype=torch.long, device=device)
-        deltas.extend(part[rows_t, tokens_t].tolist())
+        if one_each:
+            deltas.extend(part.gather(1, tokens_t.unsqueeze(1)).squeeze(1).tolist())
+        else:
+            counts = torch.tensor([offsets[i + 1] - offsets[i] for i in range(start, end)], device=device)
+            rows_t = torch.repeat_interleave(torch.arange(end - start, device=device), counts)
+            deltas.extend(part[rows_t, tokens_t].tolist())
         lp_stop = lp_next
         while lp_stop < len(logprob_rows) and logprob_rows[lp_stop] < end:
             lp_stop += 1
@@ -423,20 +427,19 @@ class Sampler:
         tokens: list[list[int]] = [[] for _ in range(num_rows)]
         if plan.greedy_rows:
             g_x, _ = _select(x, plan.greedy_rows)
+            num_samples = meta.num_samples
             for i, tok in zip(plan.greedy_rows, g_x.argmax(dim=-1).tolist(), strict=True):
-                tokens[i] = [tok] * meta.num_samples[i]
+                tokens[i] = [tok] * num_samples[i]
         for part in plan.sampled.chunks(_chunk_rows(x)):
             self._draw(x, x is not logits, meta, part, tokens)
 
         # Draws flattened in row order: row i owns draws offsets[i]:offsets[i + 1].
-        offsets = [0]
-        for row_tokens in tokens:
-            offsets.append(offsets[-1] + len(row_tokens))
+        offsets = list(accumulate((len(row_tokens) for row_tokens in tokens), initial=0))
         draw_tokens = list(chain.from_iterable(tokens))
         deltas, lp = _raw_logprobs(logits, offsets, draw_tokens, plan.logprob_rows)
         samples = [
-            SeqSample(token_ids=tokens[i], cumulative_logprob_deltas=deltas[offsets[i] : offsets[i + 1]])
-            for i in range(num_rows)
+            SeqSample(row_tokens, deltas[first:last])
+            for row_tokens, first, last in zip(tokens, offsets[:-1], offsets[1:], strict=True)
         ]
         if lp is not None:
             _fill_logprobs(lp, plan, offsets, deltas, samples)

@@ -45,7 +45,7 @@ class NewSeqData:
     pooling_params: PoolingParams | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # one per running row per step
 class CachedSeqData:
     """A sequence the workers already hold; only what changed since the last step."""
 
@@ -93,7 +93,7 @@ class SchedulerOutput:
         return not (self.new_seqs or self.cached_seqs or self.blocks_to_swap_out or self.finished_seq_ids)
 
 
-@dataclass
+@dataclass(slots=True)  # one per sampled row per step: slots make it cheaper to build and to pickle
 class SeqSample:
     """What rank 0 produced for one sequence in one step."""
 

@@ -422,7 +422,7 @@ class Scheduler:
             out.blocks_to_copy.extend(
                 self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n, seq.num_computed_tokens)
             )
-            self._scheduled.append(_Scheduled(group, seq, n, (drafts or {}).get(seq.seq_id, [])))
+            self._scheduled.append(_Scheduled(group, seq, n, drafts.get(seq.seq_id, []) if drafts else []))
             budget.tokens -= n
             budget.seqs -= 1
 
@@ -501,9 +501,10 @@ class Scheduler:
                         num_scheduled_tokens=n,
                     )
                 )
-            seq.num_tokens_on_workers = seq.num_tokens
+            num_tokens = seq.num_tokens
+            seq.num_tokens_on_workers = num_tokens
             seq.block_table_on_workers = table
-            if seq.num_computed_tokens + n - len(item.drafts) == seq.num_tokens:
+            if seq.num_computed_tokens + n - len(item.drafts) == num_tokens:
                 out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
                 if seq.constraint is not None:
                     out.structured_seq_ids.append(seq.seq_id)
@@ -577,7 +578,8 @@ class Scheduler:
             group = self._seq_owner.get(seq_id)
             if group is None:
                 continue
-            parent = next(s for s in group.seqs if s.seq_id == seq_id)
+            seqs = group.seqs  # (one sequence but for best_of: no search then)
+            parent = seqs[0] if len(seqs) == 1 else next(s for s in seqs if s.seq_id == seq_id)
             if seq_id in drafted:
                 if group.first_token_time is None:
                     group.first_token_time = now

@@ -94,13 +94,14 @@ class Sequence:
             return self.output_token_ids[start - num_prompt :]
         return self.prompt_token_ids[start:] + self.output_token_ids
 
+    # These two run for every running sequence several times a step: written out, not through the properties.
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     def forget_worker_state(self) -> None:
         """The workers dropped this sequence (preempted / swapped): it travels in full next time."""
