@@ -20,16 +20,12 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from model_exec.layers.linear import LinearBase  # noqa: E402
-from model_exec.layers.quantization import scope  # noqa: E402
-from model_exec.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, kernels_available  # noqa: E402
-from model_exec.models import build_model, pack_weights  # noqa: E402
+from model_exec.layers.quantization.gguf import GGUFLinearMethod, kernels_available  # noqa: E402
 from model_exec.parallel import TPGroup  # noqa: E402
-from model_exec.source import read_model_config, resolve_model  # noqa: E402
-from model_exec.weights import iter_weights  # noqa: E402
-from ops.attention import get_attn_backend  # noqa: E402
 from tests.helpers.family_parity import ENGINE_PROMPTS, PREFILL_PROMPTS  # noqa: E402
 from tests.helpers.tiny_gguf import write_tiny_gguf  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_llama, our_prefill_logits, run_in_rank_threads  # noqa: E402
+from tests.model_exec.test_gguf_quantized import _load  # noqa: E402  # the model built and loaded kept or not
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the C++ kernels' AVX2 build is not available")
 
@@ -44,16 +40,6 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> str:
     # rounding into the next layer's input (kept-vs-dequantized logits' cosine drops to ~0.95 at 0.3)
     hf = make_tiny_llama(tmp, hidden_size=256, intermediate_size=512, initializer_range=0.1)
     return write_tiny_gguf(hf, tmp / "gguf", quant_types=Q4_K_M)
-
-
-def _load(path: str, keep: bool, tp: TPGroup | None = None) -> tuple[torch.nn.Module, object]:
-    src = resolve_model(path)
-    config = read_model_config(src)
-    with scope(GGUFConfig() if keep else None):
-        net = build_model(config, tp or TPGroup.single(), get_attn_backend("torch", "cpu"), "cpu", torch.float32)
-    net.load_weights(iter_weights(src, keep_gguf_blocks=keep))  # type: ignore[operator]
-    pack_weights(net)  # type: ignore[arg-type]
-    return net, config
 
 
 def _close(ours: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, cosine: float) -> None:
