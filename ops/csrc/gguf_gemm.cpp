@@ -102,13 +102,6 @@ void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s, 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 weights of a block as bytes in x's order: Q4 nibbles unpacked (unsigned 0..15), Q8 as stored (signed).
 template <int64_t Q>
 inline __m256i unpack(const uint8_t* blk) {
@@ -164,7 +157,7 @@ void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(acc[r]) + extra[r];
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = raytp::hsum8(acc[r]) + extra[r];
   }
 }
 
@@ -287,7 +280,7 @@ RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uin
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(_mm256_add_ps(acc[r], accm[r])) + extra[r];
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = raytp::hsum8(_mm256_add_ps(acc[r], accm[r])) + extra[r];
   }
 }
 #else

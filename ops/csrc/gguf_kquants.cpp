@@ -30,6 +30,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace raytp {
@@ -57,13 +59,6 @@ inline void scale_min_k4(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 8 int32 sums of w . qx over 32 weights; unsigned w (nibbles 0..15: at most 2 * 15 * 127 per int16)
 inline __m256i dot_u(__m256i w, const int8_t* qx) {
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
@@ -115,7 +110,7 @@ void tile_q4k(const int8_t* qx, const float* dx, const float* sx, int64_t m0, in
       for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(dm8, _mm256_loadu_ps(sx + (m0 + r) * nb + s * kSubs), accm[r]);
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum(acc[r]) - hsum(accm[r]);
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(acc[r]) - hsum8(accm[r]);
   }
 }
 
@@ -156,7 +151,7 @@ void tile_q6k(const int8_t* qx, const float* dx, const float*, int64_t m0, int64
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = hsum8(acc[r]);
   }
 }
 #else

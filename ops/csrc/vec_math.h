@@ -18,6 +18,14 @@ inline bool use_avx512() {
   return yes;
 }
 
+// The sum of 8 lanes.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, scale
 // by 2^n), about 1 ulp over the clamped range; below -87.3 the result is flushed towards 0
 // (~1e-38), above 88.38 it saturates.

@@ -116,13 +116,6 @@ float softmax_numerators_scalar(float* sc, int64_t len) {
 // 4.6 -> 2.8 ms (~18 GB/s of K and V: memory-bound now).
 constexpr bool kHaveAvx2 = true;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // NJ query vectors (consecutive, head_dim apart) against one key; two accumulators per vector so the
 // FMA chains are half as long.
 template <int NJ>
@@ -141,7 +134,7 @@ inline void dots(const float* q, const float* k, int64_t head_dim, float* out, i
     const __m256 k0 = _mm256_loadu_ps(k + d);
     for (int j = 0; j < NJ; ++j) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * head_dim + d), k0, a0[j]);
   }
-  for (int j = 0; j < NJ; ++j) out[j * ld] = hsum(_mm256_add_ps(a0[j], a1[j]));
+  for (int j = 0; j < NJ; ++j) out[j * ld] = raytp::hsum8(_mm256_add_ps(a0[j], a1[j]));
 }
 
 void block_scores_avx2(const Item& it, const float* kb, const float* next, int64_t n, float* scores, int64_t ld) {
@@ -217,7 +210,7 @@ float softmax_numerators_avx2(float* sc, int64_t len) {
     _mm256_storeu_ps(sc + t, e);
     sv = _mm256_add_ps(sv, e);
   }
-  float sum = hsum(sv);
+  float sum = raytp::hsum8(sv);
   for (; t < len; ++t) {
     sc[t] = std::exp(sc[t] - m);
     sum += sc[t];

@@ -65,13 +65,6 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // One work item; `scratch` is the calling thread's, reused across its items.
 void run_job(const Job& job, const float* query, const float* key_cache, const float* value_cache,
              const int32_t* block_table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t q_row_stride,
@@ -215,7 +208,7 @@ void run_job(const Job& job, const float* query, const float* key_cache, const f
       s1 = _mm256_and_ps(raytp::exp8(_mm256_sub_ps(s1, mv)), keep1);
       _mm256_storeu_ps(sn, s0);
       _mm256_storeu_ps(sn + 8, s1);
-      l[n] = l[n] * corr[n] + hsum8(_mm256_add_ps(s0, s1));
+      l[n] = l[n] * corr[n] + raytp::hsum8(_mm256_add_ps(s0, s1));
       m[n] = m_new;
     }
 
