@@ -66,6 +66,6 @@ def rotate_half_rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> silu(gate) * up, [..., d], a new tensor."""
-    out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    out = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
     torch.ops.raytp_cpu.silu_and_mul(out, x)
     return out

@@ -108,8 +108,11 @@ class GGUFLinearMethod(QuantizeMethodBase):
             return self.dense.apply(layer, x, bias)
         if not self.segments:
             raise RuntimeError("a GGUF linear layer ran before its weights were loaded and processed")
-        outs = [gguf_linear(x, raw, qtype) for qtype, raw in self.segments]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(self.segments) == 1:  # the usual layer: one type throughout, one kernel call
+            qtype, raw = self.segments[0]
+            y = gguf_linear(x, raw, qtype)
+        else:
+            y = torch.cat([gguf_linear(x, raw, qtype) for qtype, raw in self.segments], dim=-1)
         return y if bias is None else y.add_(bias)
 
 
