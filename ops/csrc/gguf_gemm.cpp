@@ -14,8 +14,10 @@
 // step on this machine is bound by those instructions, not by the 5-6x fewer bytes read. Per block:
 //   sum_j w_j x_j ~= d * dx * sum_j q_j qx_j  (+ m * sum_j x_j for Q4_1, - 8 d dx sum_j qx_j for Q4_0)
 // where dx = max|x_block| / 127 and qx = round(x / dx); the sum of x for Q4_1's offset uses the float x,
-// so the only error beyond the fp32 reference's rounding is x's int8 rounding (relative ~0.2% per element,
-// uncorrelated; tests/ops/test_gguf_gemm.py bounds it against the dequantized product).
+// so the only error beyond the fp32 reference's rounding is x's rounding: int8's (relative ~0.2% per element)
+// for Q8_0 and the K-quants, 16 bits' for Q4_0 / Q4_1, whose qx is two bytes (`kTwoByteX` below: it took the
+// Q4_1 model's perplexity from +0.66% to +0.21% of the dequantized weights' for ~10% more time per
+// weight); tests/ops/test_gguf_gemm.py bounds both against the dequantized product.
 //
 // Work split: threads take ranges of output features (each reads only its share of W, in file order); inside,
 // a chunk of kChunk output rows (a few KB of W, kept in L1/L2) is run against every tile of kRows rows of x.
@@ -68,17 +70,28 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// x's rows quantized per block: qx int8 [M, K], dx [M, nb] (scale), sx [M, nb] (sum of the float x: Q4_1's
-// offset term), iq [M, nb] (8 * dx * sum of qx: Q4_0's offset term).
+// Q4_0 and Q4_1 take x on a 16-bit grid: X = round(x / (dx / 256)) (|X| <= 32512) split exactly into two int8
+// bytes, X = 256 hi + lo (hi in [-127, 127], lo in [-128, 127]), and each block's integer dot is
+// 256 (w . hi) + (w . lo): one more vpdpbusd and a shift per pair of blocks. On 8 bits alone a Q4_1 SmolLM2-135M
+// scored +0.66% perplexity above its dequantized weights, from x's rounding only (the LM head, Q8_0, kept
+// its share of that near zero); on 16 bits the blocks are the dequantized product to float rounding. Q8_0
+// (a vpdpbusd needs |w| and x with w's sign, which -128 cannot carry) and the K-quants keep 8 bits.
+template <int64_t Q>
+constexpr bool kTwoByteX = Q == kQ4_0 || Q == kQ4_1;
+
+// x's rows quantized per block: q int8 [M, K] (x's byte, or X's high byte), r int8 [M, K] (X's low byte, two-byte
+// types only), d [M, nb] (the grid step: dx, or dx / 256), s [M, nb] (sum of the float x: Q4_1's offset term),
+// c8 [M, nb] (8 * d * sum of the grid values: Q4_0's offset term).
 struct QuantX {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, r;
   std::vector<float> d, s, c8;
-  // the AVX-512 VNNI tiles' copy (`interleave_pairs`): empty when they do not run
-  std::vector<int8_t> qv;
+  // the AVX-512 VNNI tiles' copies (`interleave_pairs`): empty when they do not run
+  std::vector<int8_t> qv, rv;
   std::vector<float> dx8, e8;
 };
 
-void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s, float* c8) {
+// r == nullptr: one byte per x; else two (q the high, r the low byte of X)
+void quantize_row(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d, float* s, float* c8) {
   for (int64_t b = 0; b < k_len / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f, sum = 0.f;
@@ -87,17 +100,24 @@ void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s, 
       sum += xb[j];
     }
     const float dx = amax / 127.f;
-    const float inv = dx > 0.f ? 1.f / dx : 0.f;
+    const float step = r == nullptr ? dx : dx / 256.f;  // a power of two apart: exact
+    const float inv = dx > 0.f ? 1.f / step : 0.f;
     int32_t isum = 0;
     for (int j = 0; j < kBlock; ++j) {
       // nearbyint: round half to even under the default rounding mode, as _mm256_cvtps_epi32 and torch.round
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
-      q[b * kBlock + j] = static_cast<int8_t>(v);
+      if (r == nullptr) {
+        q[b * kBlock + j] = static_cast<int8_t>(v);
+      } else {
+        const int32_t hi = (v + 128) >> 8;  // floor((v + 128) / 256): lo = v - 256 hi lands in [-128, 127]
+        q[b * kBlock + j] = static_cast<int8_t>(hi);
+        r[b * kBlock + j] = static_cast<int8_t>(v - 256 * hi);
+      }
       isum += v;
     }
-    d[b] = dx;
+    d[b] = step;
     s[b] = sum;
-    c8[b] = 8.f * dx * static_cast<float>(isum);
+    c8[b] = 8.f * step * static_cast<float>(isum);
   }
 }
 
@@ -124,7 +144,7 @@ inline __m256i dot_block(__m256i w, const int8_t* qx) {
   if constexpr (Q == kQ8_0) {  // maddubs wants unsigned x signed: |w| times x with w's sign
     p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
   } else {
-    p16 = _mm256_maddubs_epi16(w, xv);  // nibbles 0..15 x int8: at most 2 * 15 * 127 per int16, no saturation
+    p16 = _mm256_maddubs_epi16(w, xv);  // nibbles 0..15 x int8: at most 2 * 15 * 128 per int16, no saturation
   }
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
@@ -150,7 +170,10 @@ void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
-        const __m256 p = _mm256_cvtepi32_ps(dot_block<Q>(wv, qx.q.data() + row * k_len + b * kBlock));
+        __m256i dot = dot_block<Q>(wv, qx.q.data() + row * k_len + b * kBlock);
+        if constexpr (kTwoByteX<Q>)
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dot_block<Q>(wv, qx.r.data() + row * k_len + b * kBlock));
+        const __m256 p = _mm256_cvtepi32_ps(dot);
         acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * qx.d[row * nb + b]), acc[r]);
         if constexpr (Q == kQ4_1) extra[r] += half_at(blk + 2) * qx.s[row * nb + b];
         if constexpr (Q == kQ4_0) extra[r] -= dw * qx.c8[row * nb + b];
@@ -177,17 +200,24 @@ bool use_vnni() {
 
 // qx rows re-laid per block pair (the odd last block stays as it is); dx8 / e8: per pair, 4 lanes of each block's
 // scale / offset term (Q4_1: sum of x, Q4_0: 8 dx sum of qx) divided by 4, as the folded lanes want them.
-void interleave_pairs(QuantX& qx, int64_t m, int64_t k_len, int64_t qtype) {
+void interleave_bytes(const int8_t* src, int8_t* dst, int64_t k_len) {
   const int64_t nb = k_len / kBlock, np = nb / 2;
-  const int8_t* src = qx.q.data() + m * k_len;
-  int8_t* dst = qx.qv.data() + m * k_len;
-  const float* e = qtype == kQ4_1 ? qx.s.data() + m * nb : qx.c8.data() + m * nb;
   for (int64_t p = 0; p < np; ++p) {
     const int8_t* b0 = src + 2 * p * kBlock;
     std::memcpy(dst + p * 64, b0, 16);
     std::memcpy(dst + p * 64 + 16, b0 + kBlock, 16);
     std::memcpy(dst + p * 64 + 32, b0 + 16, 16);
     std::memcpy(dst + p * 64 + 48, b0 + kBlock + 16, 16);
+  }
+  if (nb % 2) std::memcpy(dst + (nb - 1) * kBlock, src + (nb - 1) * kBlock, kBlock);
+}
+
+void interleave_pairs(QuantX& qx, int64_t m, int64_t k_len, int64_t qtype) {
+  const int64_t nb = k_len / kBlock, np = nb / 2;
+  interleave_bytes(qx.q.data() + m * k_len, qx.qv.data() + m * k_len, k_len);
+  if (!qx.rv.empty()) interleave_bytes(qx.r.data() + m * k_len, qx.rv.data() + m * k_len, k_len);
+  const float* e = qtype == kQ4_1 ? qx.s.data() + m * nb : qx.c8.data() + m * nb;
+  for (int64_t p = 0; p < np; ++p) {
     float* d8 = qx.dx8.data() + (m * np + p) * 8;
     float* e8 = qx.e8.data() + (m * np + p) * 8;
     for (int i = 0; i < 4; ++i) {
@@ -197,7 +227,6 @@ void interleave_pairs(QuantX& qx, int64_t m, int64_t k_len, int64_t qtype) {
       e8[4 + i] = e[2 * p + 1] / 4.f;
     }
   }
-  if (nb % 2) std::memcpy(dst + (nb - 1) * kBlock, src + (nb - 1) * kBlock, kBlock);
 }
 
 RAYTP_VNNI inline float half_f16c(const uint8_t* p) {
@@ -290,7 +319,9 @@ RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uin
         const int64_t row = m0 + r;
         __m512i xv = _mm512_loadu_si512(qx.qv.data() + row * k_len + p * 64);
         if constexpr (Q == kQ8_0) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        if constexpr (kTwoByteX<Q>)
+          s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), wv, _mm512_loadu_si512(qx.rv.data() + row * k_len + p * 64));
         const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
         const __m256 scale = _mm256_mul_ps(dw8, _mm256_loadu_ps(qx.dx8.data() + (row * np + p) * 8));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), scale, acc[r]);
@@ -306,7 +337,10 @@ RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uin
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
-        const __m256 p = _mm256_cvtepi32_ps(dot_block<Q>(wv, qx.qv.data() + row * k_len + b * kBlock));
+        __m256i dot = dot_block<Q>(wv, qx.qv.data() + row * k_len + b * kBlock);
+        if constexpr (kTwoByteX<Q>)
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dot_block<Q>(wv, qx.rv.data() + row * k_len + b * kBlock));
+        const __m256 p = _mm256_cvtepi32_ps(dot);
         acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * qx.d[row * nb + b]), acc[r]);
         if constexpr (Q == kQ4_1) extra[r] += half_f16c(blk + 2) * qx.s[row * nb + b];
         if constexpr (Q == kQ4_0) extra[r] -= dw * qx.c8[row * nb + b];
@@ -335,7 +369,9 @@ void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t
           int32_t wq;
           if constexpr (Q == kQ8_0) wq = static_cast<int8_t>(blk[2 + j]);
           else wq = (blk[(Q == kQ4_1 ? 4 : 2) + (j % 16)] >> (j < 16 ? 0 : 4)) & 0x0f;
-          dot += wq * xq[j];
+          int32_t xv = xq[j];
+          if constexpr (kTwoByteX<Q>) xv = 256 * xv + qx.r[row * k_len + b * kBlock + j];
+          dot += wq * xv;
         }
         const float dw = half_at(blk);
         total += dw * qx.d[row * nb + b] * static_cast<float>(dot);
@@ -379,8 +415,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
   const int64_t row_bytes = super_bytes ? k_len / raytp::kSuper * super_bytes : k_len / kBlock * block_bytes(qtype);
   TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: w rows hold ", w.size(1), " bytes, K = ", k_len, " needs ", row_bytes);
   const int64_t nb = k_len / kBlock;
-  QuantX qx{std::vector<int8_t>(rows * k_len), std::vector<float>(rows * nb), std::vector<float>(rows * nb),
-            std::vector<float>(rows * nb)};
+  const bool two_bytes = qtype == kQ4_0 || qtype == kQ4_1;  // kTwoByteX
+  QuantX qx{std::vector<int8_t>(rows * k_len), std::vector<int8_t>(two_bytes ? rows * k_len : 0),
+            std::vector<float>(rows * nb), std::vector<float>(rows * nb), std::vector<float>(rows * nb)};
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   bool vnni = false;
@@ -389,13 +426,14 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
 #endif
   if (vnni) {
     qx.qv.resize(rows * k_len);
+    if (two_bytes) qx.rv.resize(rows * k_len);
     qx.dx8.resize(rows * (nb / 2) * 8);
     qx.e8.resize(rows * (nb / 2) * 8);
   }
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / k_len), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, qx.d.data() + m * nb, qx.s.data() + m * nb,
-                   qx.c8.data() + m * nb);
+      quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, two_bytes ? qx.r.data() + m * k_len : nullptr,
+                   qx.d.data() + m * nb, qx.s.data() + m * nb, qx.c8.data() + m * nb);
 #if defined(__AVX2__) && defined(__FMA__)
       if (vnni) interleave_pairs(qx, m, k_len, qtype);
 #endif
