@@ -27,13 +27,7 @@ import torch
 from torch import nn
 
 from model_exec.layers.linear import ColumnParallelLinear, LinearBase
-from model_exec.layers.quantization.base import (
-    LinearLayer,
-    QuantizationConfig,
-    QuantizeMethodBase,
-    UnquantizedLinearMethod,
-    release,
-)
+from model_exec.layers.quantization.base import LinearLayer, QuantizationConfig, UnquantizedLinearMethod, release
 from model_exec.layers.quantization.fp8_checkpoint import Fp8Checkpoint, load_input_scale, load_weight_scale
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor
 
@@ -181,5 +175,5 @@ class Fp8Config(QuantizationConfig):
     def __init__(self, checkpoint: Fp8Checkpoint | None = None) -> None:
         self.checkpoint = checkpoint
 
-    def linear_method(self) -> QuantizeMethodBase:
+    def linear_method(self) -> Fp8LinearMethod:
         return Fp8LinearMethod(self.checkpoint)

@@ -15,13 +15,7 @@ import logging
 
 import torch
 
-from model_exec.layers.quantization.base import (
-    LinearLayer,
-    QuantizationConfig,
-    QuantizeMethodBase,
-    UnquantizedLinearMethod,
-    release,
-)
+from model_exec.layers.quantization.base import LinearLayer, QuantizationConfig, UnquantizedLinearMethod, release
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available
 from model_exec.layers.quantization.gguf_tensor import BLOCK, Q8_0, GGUFTensor
 
@@ -73,5 +67,5 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 class Int8Config(QuantizationConfig):
     name = "int8"
 
-    def linear_method(self) -> QuantizeMethodBase:
+    def linear_method(self) -> Int8LinearMethod:
         return Int8LinearMethod()
