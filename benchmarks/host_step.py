@@ -8,8 +8,9 @@ from a fixed random bank (so tokens vary and the detokenizer does real work). Ev
 is then host work only: scheduling, the worker's input preparation, sampling, the scheduler's update, the
 output processor. Prints the median per row count (and the mean, stalls included) and the worker's share
 (its `execute`). Works on any tree whose engine has `LLMEngine.step` and an in-process worker
-(`executor.worker.shard.runner`), so the same script measures a base commit (PYTHONPATH=that tree) for before/after figures. Rounds alternate row
-counts; on a shared machine compare medians of interleaved runs only. To measure another tree with this
+(`executor.worker.shard.runner`), so the same script measures a base commit (PYTHONPATH=that tree) for
+before/after figures. Rounds alternate row counts; on a shared machine compare medians of interleaved runs
+only. To measure another tree with this
 script, run it by path with PYTHONPATH=that tree. (Decision: wall time only. The engine thread's CPU time,
 `time.thread_time`, ticks in 4 ms steps on the session machine and came out above the wall time.)
 """
