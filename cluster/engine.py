@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 import logging
 import random
+import weakref
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, cast
 
@@ -158,6 +159,7 @@ class LLMEngine:
         if self.config.async_scheduling:
             self.use_step_thread(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-exec"))
         freeze_startup_heap()  # the step's collections walk only what the steps allocate (cluster/heap.py)
+        weakref.finalize(self, thaw_heap)  # an engine dropped without shutdown() (offline LLM) thaws it too
         logger.info(
             "engine ready: %s (%s, quantization %s), %d device KV blocks of %d tokens, %d CPU swap blocks",
             self.model_name,

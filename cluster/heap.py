@@ -9,7 +9,8 @@ is still freed by reference counting, and the cycles among it are collected agai
 shutdown) hands it back. A `gc.collect()` first, so start-up's own garbage is not frozen with it.
 
 Several engines (or workers) in one process, as in tests: each freezes what is alive when it is ready, and
-the first to shut down thaws all of it; a later collection walks it again, nothing leaks past that.
+the first to shut down (or, for an engine, to be dropped: the offline `LLM` has no shutdown) thaws all of it;
+a later collection walks it again, so cycles among what was frozen are not kept past that.
 """
 
 from __future__ import annotations
