@@ -143,7 +143,7 @@ def sequences(args: argparse.Namespace) -> None:
     for r, ids, start, o in zip(answers, prompts, starts, outs, strict=True):
         lps = [o.prompt_logprobs[i][ids[i]] for i in range(start, len(ids))]
         total = sum(float(getattr(v, "logprob", v)) for v in lps)
-        rows.append({"seed": r["seed"], "prompt": r["prompt"], "cut": r["cut"], "tokens": r["tokens"], "logprob": total})
+        rows.append({"seed": r["seed"], "prompt": r["prompt"], "cut": r["cut"], "logprob": total})
     with open(args.out, "w") as f:
         json.dump(rows, f)
     print(f"{args.engine}: whole-answer logprobs of {len(rows)} answers -> {args.out}")
@@ -157,7 +157,7 @@ def compare(args: argparse.Namespace) -> None:
     if a and "logprob" in a[0]:  # `sequences` outputs: one whole answer per row
         deltas = [abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b, strict=True)]
         cut = sum(bool(x["cut"]) for x in a)
-        print(f"{len(a)} answers ({cut} cut off): largest |log p_a(answer) - log p_b(answer)| {max(deltas):.2e}, ", end="")
+        print(f"{len(a)} answers ({cut} cut off): largest |log p_a - log p_b| {max(deltas):.2e}, ", end="")
         print(f"median {statistics.median(deltas):.2e}; largest likelihood ratio {math.exp(max(deltas)):.6f}")
         return
     worst = max(abs(math.exp(x[k]) - math.exp(y[k])) for x, y in zip(a, b, strict=True) for k in set(x) & set(y))
