@@ -31,13 +31,15 @@ def packed_bidirectional_attention(
     qkv: torch.Tensor, bounds: list[tuple[int, int]], num_heads: int, head_dim: int
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim)) v within each sequence, for qkv [tokens, 3 * heads * head_dim] laid
-    out [q | k | v] (each heads-major); returns [tokens, heads * head_dim]."""
+    out [q | k | v] (each heads-major); returns [tokens, heads * head_dim]. Consumes `qkv`: its q part is
+    scaled in place, once for the step (one op, not one per sequence: on a shared CPU every extra small op
+    in the loop is one more thread barrier)."""
     tokens = qkv.shape[0]
     per_head = qkv.view(tokens, 3, num_heads, head_dim)
+    per_head[:, 0].mul_(1.0 / math.sqrt(head_dim))
     out = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    scale = 1.0 / math.sqrt(head_dim)
     for start, end in bounds:
         q, k, v = per_head[start:end].permute(1, 2, 0, 3)  # each [heads, len, head_dim], views
-        scores = torch.bmm(q * scale, k.transpose(1, 2))  # [heads, len, len]
+        scores = torch.bmm(q, k.transpose(1, 2))  # [heads, len, len]
         torch.bmm(torch.softmax(scores, dim=-1), v, out=out[start:end].transpose(0, 1))
     return out.view(tokens, num_heads * head_dim)
