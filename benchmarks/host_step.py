@@ -6,10 +6,11 @@ Runs `rows` requests (16-token prompts, greedy, ignore_eos) through the real in-
 with the model's forward returning nothing to compute (a [T, 1] zero hidden state) and its logits taken
 from a fixed random bank (so tokens vary and the detokenizer does real work). Every decode step's wall time
 is then host work only: scheduling, the worker's input preparation, sampling, the scheduler's update, the
-output processor. Prints the median per row count and the worker's share (its `execute`). Works on any
-tree whose engine has `LLMEngine.step` and an in-process worker (`executor.worker.shard.runner`), so the
-same script measures a base commit (PYTHONPATH=that tree) for before/after figures. Rounds alternate row
-counts; on a shared machine compare medians of interleaved runs only. To measure another tree with this
+output processor. Prints the median per row count (and the mean, stalls included) and the worker's share
+(its `execute`). Works on any tree whose engine has `LLMEngine.step` and an in-process worker
+(`executor.worker.shard.runner`), so the same script measures a base commit (PYTHONPATH=that tree) for
+before/after figures. Rounds alternate row counts; on a shared machine compare medians of interleaved runs
+only. To measure another tree with this
 script, run it by path with PYTHONPATH=that tree. (Decision: wall time only. The engine thread's CPU time,
 `time.thread_time`, ticks in 4 ms steps on the session machine and came out above the wall time.)
 """
@@ -41,8 +42,10 @@ class NoopModel:
         return (self.bank if reps == 1 else self.bank.repeat(reps, 1))[:n]
 
 
-def measure(model: str | None, rows: int, steps: int) -> tuple[float, float]:
-    """(median decode step wall, median worker execute time), in seconds."""
+def measure(model: str | None, rows: int, steps: int) -> tuple[float, float, float]:
+    """(median decode step wall, mean decode step wall, median worker execute time), in seconds. The mean
+    shows what the median hides: an occasional stall (a full garbage collection walking the whole heap was
+    ~0.5 s once every ~40 steps at 256 rows before cluster/heap.py)."""
     from raytp import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=rows, num_gpu_blocks_override=rows * 4, block_size=16, max_num_batched_tokens=4096)
@@ -73,7 +76,8 @@ def measure(model: str | None, rows: int, steps: int) -> tuple[float, float]:
         walls.append(time.perf_counter() - t0)
     engine.shutdown()
     # the decode steps: past the prefill (one step at this budget) and the first decodes, before the tail
-    return statistics.median(walls[3:-3]), statistics.median(worker_times[3:-3])
+    decode = walls[3:-3]
+    return statistics.median(decode), statistics.fmean(decode), statistics.median(worker_times[3:-3])
 
 
 def main() -> None:
@@ -88,15 +92,17 @@ def main() -> None:
         from tests.helpers.tiny_models import make_tiny_llama
 
         model = make_tiny_llama(tempfile.mkdtemp())
-    res: dict[int, list[tuple[float, float]]] = {r: [] for r in args.rows}
+    res: dict[int, list[tuple[float, float, float]]] = {r: [] for r in args.rows}
     for _ in range(args.rounds):
         for rows in args.rows:
             res[rows].append(measure(model, rows, args.steps))
     for rows in args.rows:
-        wall = statistics.median(w for w, _ in res[rows])
-        worker = statistics.median(w for _, w in res[rows])
+        wall = statistics.median(w for w, _, _ in res[rows])
+        mean = statistics.median(m for _, m, _ in res[rows])
+        worker = statistics.median(w for _, _, w in res[rows])
         print(
-            f"{rows:4d} decode rows: {1000 * wall:6.2f} ms host per step, of which the worker {1000 * worker:5.2f} ms"
+            f"{rows:4d} decode rows: {1000 * wall:6.2f} ms host per step (mean {1000 * mean:6.2f}), "
+            f"of which the worker {1000 * worker:5.2f} ms"
         )
 
 

@@ -4,8 +4,9 @@ distributions teacher-forced, each engine in its own interpreter (vLLM from .ven
 `lengths`: three prompts x `--seeds` seeds, temperature 0.7, `max_tokens` 150, `--format object|schema|none`;
 prints valid / cut / median / mean and writes every answer to `--out`. `logprobs`: the top-20 next-token
 logprobs at four cut points of each of the first 40 valid answers in `--answers` (a `lengths` output),
-the last one just after the closing brace (where EOS competes); `--compare A B` prints the largest
-probability difference between two such files.
+the last one just after the closing brace (where EOS competes); `sequences`: the log-probability of each
+whole answer in `--answers` (every sampled token, EOS included) under this engine; `compare A B` prints the
+largest difference between two `logprobs` or two `sequences` files.
 
     S=benchmarks/json_mode_offline.py
     .venv-vllm/bin/python $S lengths --engine vllm --model HF_DIR --out v.json
@@ -13,6 +14,9 @@ probability difference between two such files.
     .venv-vllm/bin/python $S logprobs --engine vllm --model HF_DIR --answers v.json --out lv.json
     PYTHONPATH=. .venv/bin/python $S logprobs --engine raytp --model HF_DIR --answers v.json --out lr.json
     python3 $S compare lv.json lr.json
+    .venv-vllm/bin/python $S sequences --engine vllm --model HF_DIR --answers r.json --out sv.json
+    PYTHONPATH=. .venv/bin/python $S sequences --engine raytp --model HF_DIR --answers r.json --out sr.json
+    python3 $S compare sr.json sv.json
 
 HF_DIR: `python -m benchmarks.common.hf_model` prints it. vLLM's CPU backend wants the environment of
 benchmarks/common/vllm_baseline.py (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
@@ -83,6 +87,7 @@ def lengths(args: argparse.Namespace) -> None:
                 "valid": valid,
                 "cut": c.finish_reason == "length",
                 "tokens": len(c.token_ids),
+                "token_ids": list(c.token_ids),
                 "text": c.text,
             }
         )
@@ -115,11 +120,46 @@ def logprobs(args: argparse.Namespace) -> None:
     print(f"{args.engine}: top-20 logprobs at {len(rows)} positions -> {args.out}")
 
 
+def sequences(args: argparse.Namespace) -> None:
+    """The raw log-probability of each whole answer in `--answers` (every sampled token, EOS included) under
+    this engine: one prefill per answer with `prompt_logprobs=0`. Two engines whose per-answer sums agree
+    give every statistic of their outputs (validity, length, cut-off) the same expectation."""
+    llm, sampling, _ = engine(args.engine, args.model)
+    with open(args.answers) as f:
+        answers = json.load(f)[: args.limit]
+    tok = llm.get_tokenizer()
+    prompts, starts = [], []
+    for r in answers:
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        head = tok.encode(chat, add_special_tokens=False)
+        prompts.append(head + r["token_ids"])
+        starts.append(len(head))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sampling(temperature=1.0, max_tokens=1, prompt_logprobs=0)
+    )
+    rows = []
+    for r, ids, start, o in zip(answers, prompts, starts, outs, strict=True):
+        lps = [o.prompt_logprobs[i][ids[i]] for i in range(start, len(ids))]
+        total = sum(float(getattr(v, "logprob", v)) for v in lps)
+        rows.append({"seed": r["seed"], "prompt": r["prompt"], "cut": r["cut"], "logprob": total})
+    with open(args.out, "w") as f:
+        json.dump(rows, f)
+    print(f"{args.engine}: whole-answer logprobs of {len(rows)} answers -> {args.out}")
+
+
 def compare(args: argparse.Namespace) -> None:
     with open(args.a) as f:
         a = json.load(f)
     with open(args.b) as f:
         b = json.load(f)
+    if a and "logprob" in a[0]:  # `sequences` outputs: one whole answer per row
+        deltas = [abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b, strict=True)]
+        cut = sum(bool(x["cut"]) for x in a)
+        print(f"{len(a)} answers ({cut} cut off): largest |log p_a - log p_b| {max(deltas):.2e}, ", end="")
+        print(f"median {statistics.median(deltas):.2e}; largest likelihood ratio {math.exp(max(deltas)):.6f}")
+        return
     worst = max(abs(math.exp(x[k]) - math.exp(y[k])) for x, y in zip(a, b, strict=True) for k in set(x) & set(y))
     print(f"{len(a)} positions: largest |p_a - p_b| over the shared top-20 tokens {worst:.2e}")
 
@@ -127,7 +167,7 @@ def compare(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("lengths", "logprobs"):
+    for name in ("lengths", "logprobs", "sequences"):
         p = sub.add_parser(name)
         p.add_argument("--engine", choices=["raytp", "vllm"], required=True)
         p.add_argument("--model", required=True, help="the HF directory both engines load")
@@ -136,11 +176,13 @@ def main() -> None:
     sub.choices["lengths"].add_argument("--seeds", type=int, default=96)
     sub.choices["lengths"].add_argument("--seed-offset", type=int, default=0)
     sub.choices["logprobs"].add_argument("--answers", required=True, help="a `lengths` output")
+    sub.choices["sequences"].add_argument("--answers", required=True, help="a `lengths` output")
+    sub.choices["sequences"].add_argument("--limit", type=int, default=96, help="the first N answers")
     p = sub.add_parser("compare")
     p.add_argument("a")
     p.add_argument("b")
     args = ap.parse_args()
-    {"lengths": lengths, "logprobs": logprobs, "compare": compare}[args.cmd](args)
+    {"lengths": lengths, "logprobs": logprobs, "sequences": sequences, "compare": compare}[args.cmd](args)
 
 
 if __name__ == "__main__":  # vLLM's engine core starts by spawn, which re-imports this module

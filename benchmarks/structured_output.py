@@ -137,7 +137,8 @@ def compare_libraries() -> None:
 def compile_cost(rounds: int) -> None:
     import llguidance
 
-    from cluster.structured_output import StructuredOutputManager, to_grammar
+    from cluster.grammars import to_grammar
+    from cluster.structured_output import StructuredOutputManager
     from model_exec.source import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(None))

@@ -25,7 +25,9 @@ Invariants that make the outputs equal to the synchronous step's:
   pipeline waits for N first, as the synchronous step does. Structured-output rows so cost the overlap of the
   steps they sample in, and nothing else.
 
-Torch-free, like the engine: the workers and their tensors sit behind `submit`.
+Torch-free, like the engine: the workers and their tensors sit behind `submit`. The pipeline drives its engine
+through `StepHost`, the few phases it calls, so this module sits below `cluster.engine` (which builds it) and
+never imports it.
 """
 
 from __future__ import annotations
@@ -33,13 +35,12 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cluster.outputs import RequestDelta
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from cluster.engine import LLMEngine
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import SequenceGroup
 
 Submit = Callable[[SchedulerOutput], "concurrent.futures.Future[ModelRunnerOutput]"]
 
@@ -59,11 +60,26 @@ def can_plan_past(so: SchedulerOutput) -> bool:
     return not so.structured_seq_ids and not so.prompt_logprobs_seq_ids and all(n == 1 for n in so.num_samples.values())
 
 
+class StepHost(Protocol):
+    """The engine phases the pipeline runs (cluster.engine.LLMEngine provides them), all on the host thread."""
+
+    scheduler: Scheduler
+    dead: BaseException | None  # set by `fail`: then nothing more is launched
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def emit(self, groups: list[SequenceGroup]) -> list[RequestDelta]: ...
+
+    def collect_finished(self) -> list[RequestDelta]: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
 class StepPipeline:
     """The engine's asynchronous step. `submit` starts a step on the workers and returns its future; the
     steps it starts run in submission order (one worker thread, or Ray actors' ordered queues)."""
 
-    def __init__(self, engine: LLMEngine, submit: Submit) -> None:
+    def __init__(self, engine: StepHost, submit: Submit) -> None:
         self.engine = engine
         self.submit = submit
         self.in_flight: InFlight | None = None

@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 import logging
 import random
+import weakref
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import resolve_config
 from cluster.draft import read_draft
 from cluster.executor import Executor
+from cluster.heap import freeze_startup_heap, thaw_heap
 from cluster.lora_registry import LoadedAdapters
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestDelta
@@ -156,6 +158,8 @@ class LLMEngine:
         self._own_step_pool = self.config.async_scheduling
         if self.config.async_scheduling:
             self.use_step_thread(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-exec"))
+        freeze_startup_heap()  # the step's collections walk only what the steps allocate (cluster/heap.py)
+        weakref.finalize(self, thaw_heap)  # an engine dropped without shutdown() (offline LLM) thaws it too
         logger.info(
             "engine ready: %s (%s, quantization %s), %d device KV blocks of %d tokens, %d CPU swap blocks",
             self.model_name,
@@ -431,3 +435,4 @@ class LLMEngine:
             self._step_pool.shutdown(wait=True)
         self.structured.shutdown()
         self.executor.shutdown()
+        thaw_heap()

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import IO, Any
 
+from cluster.grammars import to_grammar
 from request.errors import RequestError
 from request.structured_outputs import StructuredOutputsParams
 
@@ -156,8 +157,6 @@ class GrammarCompileWorker:
 def _serve() -> None:
     import llguidance
     import llguidance.numpy as llg_np
-
-    from cluster.structured_output import to_grammar
 
     fd = sys.stdin.buffer.fileno()
     out = os.fdopen(os.dup(1), "wb")

@@ -122,9 +122,20 @@ class OutputProcessor:
 
     def _process_request(self, req: _Request, stopped: list[tuple[Sequence, str]]) -> RequestDelta | None:
         group = req.group
-        changed: list[SampleDelta] = []
         samples = req.samples
-        for seq in group.seqs:
+        seqs = group.seqs
+        if len(seqs) == 1 and not req.holds:  # the common request (n = best_of = 1): its one sample decides
+            seq = seqs[0]
+            sample = samples.get(seq.seq_id)
+            if sample is None:
+                sample = samples[seq.seq_id] = self._new_sample(req, seq)
+            one = self._process_sample(req, sample, stopped)
+            finished = sample.finish_reason is not None
+            if one is None and not finished:
+                return None
+            return self._request_delta(req, [] if one is None else [one], finished)
+        changed: list[SampleDelta] = []
+        for seq in seqs:
             sample = samples.get(seq.seq_id)
             if sample is None:
                 sample = samples[seq.seq_id] = self._new_sample(req, seq)
@@ -146,6 +157,11 @@ class OutputProcessor:
             changed = [_merge(s.held, i) for i, s in enumerate(chosen)]
         if not changed and not finished:
             return None
+        return self._request_delta(req, changed, finished)
+
+    def _request_delta(self, req: _Request, changed: list[SampleDelta], finished: bool) -> RequestDelta:
+        """The request's delta of this step (its prompt once, its metrics and release when it finished)."""
+        group = req.group
         out = RequestDelta(request_id=group.request_id, samples=changed, finished=finished)
         if not req.prompt_sent:
             req.prompt_sent = True

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.config import ResolvedEngineConfig, default_kv_cache_bytes
+from cluster.heap import freeze_startup_heap, thaw_heap
 from model_exec.config import ModelConfig
 from model_exec.source import resolve_model
 from request.lora import LoRAError, LoRARequest
@@ -119,6 +120,7 @@ class Worker:
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self._shard().init_cache(num_device_blocks, num_cpu_blocks)
+        freeze_startup_heap()  # the rank is ready: its steps' collections skip the model's heap (cluster/heap.py)
 
     def execute_model(self, so: SchedulerOutput | bytes) -> ModelRunnerOutput | None:
         """One step. The Ray executor sends the pickled SchedulerOutput (pickled once for every rank)."""
@@ -162,6 +164,7 @@ class Worker:
     def shutdown(self) -> None:
         if self.shard is not None:
             self.shard.shutdown()
+        thaw_heap()
 
     def _shard(self) -> ModelShard:
         assert self.shard is not None, "load_model first"

@@ -133,10 +133,21 @@ class BlockManager:
         pairs must be copied before the forward pass. A sibling left alone on the original then writes it in
         place, without a second copy.
         """
+        copies = self.try_append_slots(seq_id, num_total_tokens, num_computed_tokens)
+        if copies is None:
+            raise NoFreeBlocksError(f"seq {seq_id} needs more blocks than are free; ask can_append_slots")
+        return copies
+
+    def try_append_slots(
+        self, seq_id: int, num_total_tokens: int, num_computed_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """`append_slots` when `can_append_slots([(seq_id, num_total_tokens, num_computed_tokens)])` holds, in one
+        pass (the scheduler's steady decode row: one growth computed instead of two); None, changing nothing,
+        when the free device blocks cannot cover it."""
         seq = self._device_seq(seq_id)
         cow, new = self._growth(seq, num_total_tokens, num_computed_tokens, _NO_PENDING)
         if len(cow) + new > self._device.num_free:
-            raise NoFreeBlocksError(f"seq {seq_id} needs {len(cow) + new} blocks; ask can_append_slots")
+            return None
         if not cow:  # the common case (a decode in a block of its own): no copy to look for
             if new:
                 seq.table.extend(self._device.allocate() for _ in range(new))

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from model_exec.source import ModelSource
+from request.errors import RequestError
+from request.sampling_params import SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 # SamplingParams fields the model may set a default for (HF and vLLM spell them alike) ...
@@ -26,13 +26,27 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 MAX_NEW_TOKENS = "max_new_tokens"
 
 
+class ModelFiles(Protocol):
+    """Where a model's files are: what this module reads of `model_exec.source.ModelSource`, which satisfies
+    it. A protocol, so that source.py (which merges the EOS ids read here) sits above this module."""
+
+    @property
+    def kind(self) -> str: ...  # "safetensors" | "gguf"
+
+    @property
+    def path(self) -> str: ...  # the weights' directory
+
+    @property
+    def metadata_dir(self) -> str: ...  # config.json and the tokenizer (converted once for a GGUF)
+
+
 def check_generation_config_setting(setting: str) -> None:
     """`auto`, `vllm` or a folder path (whether the folder holds the file is checked when it is read)."""
     if not isinstance(setting, str) or not setting:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder path, got {setting!r}.")
 
 
-def generation_config_file(src: ModelSource, setting: str) -> Path | None:
+def generation_config_file(src: ModelFiles, setting: str) -> Path | None:
     """The generation_config.json that `setting` names for model `src`; None when there is none.
 
     `auto` and `vllm` both point at the model's own file (`vllm` still takes its EOS ids, not its sampling
@@ -71,7 +85,7 @@ def eos_token_ids(gen_config: dict[str, Any]) -> tuple[int, ...]:
     return (eos,) if isinstance(eos, int) else tuple(eos or ())
 
 
-def sampling_defaults(src: ModelSource, setting: str) -> dict[str, Any]:
+def sampling_defaults(src: ModelFiles, setting: str) -> dict[str, Any]:
     """SamplingParams keyword arguments the model recommends (vLLM's `get_diff_sampling_param`): the
     fields its generation_config.json sets to a value (null counts as unset), `max_new_tokens` as
     `max_tokens`; {} under `vllm` or when the model has no such file.
@@ -88,9 +102,6 @@ def sampling_defaults(src: ModelSource, setting: str) -> dict[str, Any]:
     if gen.get(MAX_NEW_TOKENS) is not None:
         out["max_tokens"] = gen[MAX_NEW_TOKENS]
     if out:
-        from request.errors import RequestError
-        from request.sampling_params import SamplingParams
-
         try:
             SamplingParams(**out)
         except RequestError as e:

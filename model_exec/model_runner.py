@@ -382,6 +382,22 @@ class ModelRunner:
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor, so: SchedulerOutput) -> list[SeqSample]:
         """One SeqSample per row; a speculative row owns len(drafts) + 1 logits rows (model_exec/spec_verify.py)."""
+        if so.grammar_bitmask is None and not any(r.drafts for r in rows):
+            # The steady batch (no proposals, no grammar): the sampler's lists straight from the rows' state,
+            # what sample_rows builds for it through one RowToSample per row and its virtual rows.
+            states = [r.state for r in rows]
+            num_samples = so.num_samples
+            meta = SamplingMetadata(
+                params=[s.params for s in states],
+                seeds=[s.seed for s in states],
+                sample_indices=[s.sample_index for s in states],
+                output_lens=[len(s.output_token_ids) for s in states],
+                num_samples=[num_samples[r.seq_id] for r in rows],
+                prompt_token_ids=[s.prompt_token_ids for s in states],
+                output_token_ids=[s.output_token_ids for s in states],
+                eos_token_ids=self.eos_token_ids,
+            )
+            return self.sampler(logits, meta)
         bitmask: dict[int, np.ndarray] = {}
         if so.grammar_bitmask is not None:
             bitmask = {seq_id: so.grammar_bitmask[j] for j, seq_id in enumerate(so.structured_seq_ids)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from request.errors import PromptTooLongError, RequestError
-from request.sampling_params import SamplingParams
+from request.sampling_params import TOKEN_ID_FIELDS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             f"The prompt is {num} tokens long; the KV cache of this server can hold at most "
             f"{limits.max_prompt_tokens} tokens for one request."
         )
-    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-    if bad_stop:
-        raise RequestError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stop[:5]}.", "stop_token_ids")
-    bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
-    if bad_bias:
-        raise RequestError(f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad_bias[:5]}.", "logit_bias")
+    for name in TOKEN_ID_FIELDS:
+        bad = [t for t in getattr(params, name) or () if t >= vocab]
+        if bad:
+            raise RequestError(f"{name} token ids outside the vocabulary [0, {vocab}): {bad[:5]}.", name)
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and k > vocab:

@@ -20,6 +20,8 @@ from request.structured_outputs import StructuredOutputsParams
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT32_MAX = (1 << 31) - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias| values
+# The fields that hold token ids (of a dict: its keys); `request.check` holds each to the model's vocabulary.
+TOKEN_ID_FIELDS: tuple[str, ...] = ("stop_token_ids", "logit_bias")
 
 
 def _is_int(x: object) -> bool:

@@ -60,12 +60,20 @@ class _Budget:
     seqs: int
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled row per step
 class _Scheduled:
     group: SequenceGroup
     seq: Sequence
     num_tokens: int  # scheduled tokens, proposals included
     drafts: list[int] = field(default_factory=list)  # speculative decoding: the proposals this row verifies
+
+
+def _in_prefill(group: SequenceGroup) -> bool:
+    """Whether a live sequence of the group has more than one token to compute (a prompt, or a recompute)."""
+    for s in group.seqs:
+        if len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed_tokens > 1 and not s.is_finished:
+            return True
+    return False
 
 
 class Scheduler:
@@ -228,13 +236,18 @@ class Scheduler:
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> bool:
         """Decodes first, then prompt chunks; preempts the newest requests when blocks run out."""
         preempted = False
-        in_prefill = [g for g in self.running if any(s.num_uncomputed_tokens > 1 for s in g.live_seqs())]
-        prefill_ids = {id(g) for g in in_prefill}
-        decoding = [g for g in self.running if id(g) not in prefill_ids]
+        decoding: list[SequenceGroup] = []
+        in_prefill: list[SequenceGroup] = []
+        for g in self.running:
+            (in_prefill if _in_prefill(g) else decoding).append(g)
         scheduled: set[int] = set()
         victims: set[int] = set()  # ids of groups preempted earlier in this loop
+        steady = self.config.speculative is None  # (with proposals every decode row takes the general path)
         for group in decoding + in_prefill:
             if id(group) in victims:
+                continue
+            if steady and self._try_decode(group, budget, out):
+                scheduled.add(id(group))
                 continue
             while True:
                 plan = self._plan_tokens(group, budget)
@@ -258,6 +271,28 @@ class Scheduler:
                 if victim is group:
                     break
         return preempted
+
+    def _try_decode(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput) -> bool:
+        """The steady row (one sequence, one token to run) planned, checked and committed in one block-manager
+        call: what `_plan_tokens`, `_can_grow` and `_commit` do for it, without their per-row lists. False,
+        having changed nothing, for any other row or when the blocks run out: the general path then decides
+        (and preempts) exactly as before."""
+        seqs = group.seqs
+        if len(seqs) != 1 or budget.tokens < 1 or budget.seqs < 1:
+            return False
+        seq = seqs[0]
+        computed = seq.num_computed_tokens
+        if len(seq.prompt_token_ids) + len(seq.output_token_ids) - computed != 1 or seq.is_finished:
+            return False
+        copies = self.block_manager.try_append_slots(seq.seq_id, computed + 1, computed)
+        if copies is None:
+            return False
+        if copies:
+            out.blocks_to_copy.extend(copies)
+        self._scheduled.append(_Scheduled(group, seq, 1))
+        budget.tokens -= 1
+        budget.seqs -= 1
+        return True
 
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
         while self.swapped:
@@ -461,20 +496,28 @@ class Scheduler:
         return len(seqs) > 1 or max(s.num_computed_tokens for s in seqs) > self.config.max_num_batched_tokens
 
     def _fill_seq_data(self, out: SchedulerOutput) -> None:
-        """Turn this step's plan into full data for sequences new to the workers, deltas for the rest."""
+        """Turn this step's plan into full data for sequences new to the workers, deltas for the rest.
+        (Runs for every row every step: attribute lookups hoisted, counts computed once per row.)"""
+        bm, bs = self.block_manager, self._block_size
+        cached_seqs, num_samples = out.cached_seqs, out.num_samples
         for item in self._scheduled:
-            group, seq, n = item.group, item.seq, item.num_tokens
-            if item.drafts:
-                out.spec_token_ids[seq.seq_id] = item.drafts
-            table = self.block_manager.get_block_table(seq.seq_id)
-            if seq.num_tokens_on_workers == 0:
+            group, seq, n, drafts = item.group, item.seq, item.num_tokens, item.drafts
+            seq_id = seq.seq_id
+            if drafts:
+                out.spec_token_ids[seq_id] = drafts
+            table = bm.get_block_table(seq_id)
+            computed = seq.num_computed_tokens
+            on_workers = seq.num_tokens_on_workers
+            num_prompt = len(seq.prompt_token_ids)
+            num_tokens = num_prompt + len(seq.output_token_ids)
+            if on_workers == 0:
                 out.new_seqs.append(
                     NewSeqData(
-                        seq_id=seq.seq_id,
+                        seq_id=seq_id,
                         token_ids=seq.token_ids,
-                        num_prompt_tokens=seq.num_prompt_tokens,
+                        num_prompt_tokens=num_prompt,
                         block_ids=table,
-                        num_computed_tokens=seq.num_computed_tokens,
+                        num_computed_tokens=computed,
                         num_scheduled_tokens=n,
                         sampling_params=group.sampling_params,
                         seed=seq.seed,
@@ -488,28 +531,24 @@ class Scheduler:
                 # Only blocks this step writes can have been replaced (copy-on-write) since the workers last
                 # saw the table, so the comparison starts at the first of them: O(1) per sequence per step.
                 limit = min(len(sent), len(table))
-                kept = min(limit, seq.num_computed_tokens // self._block_size)
+                kept = min(limit, computed // bs)
                 while kept < limit and sent[kept] == table[kept]:
                     kept += 1
-                out.cached_seqs.append(
-                    CachedSeqData(
-                        seq_id=seq.seq_id,
-                        new_token_ids=seq.tokens_from(seq.num_tokens_on_workers),
-                        num_kept_blocks=kept,
-                        new_block_ids=table[kept:],
-                        num_computed_tokens=seq.num_computed_tokens,
-                        num_scheduled_tokens=n,
-                    )
+                new_token_ids = (
+                    seq.output_token_ids[on_workers - num_prompt :]
+                    if on_workers >= num_prompt
+                    else seq.tokens_from(on_workers)
                 )
-            num_tokens = seq.num_tokens
+                cached_seqs.append(CachedSeqData(seq_id, new_token_ids, kept, table[kept:], computed, n))
             seq.num_tokens_on_workers = num_tokens
             seq.block_table_on_workers = table
-            if seq.num_computed_tokens + n - len(item.drafts) == num_tokens:
-                out.num_samples[seq.seq_id] = group.sampling_params.actual_best_of if group.wants_fork else 1
+            if computed + n - len(drafts) == num_tokens:
+                # best_of samples at the fork (the first sample after the prompt), one afterwards
+                num_samples[seq_id] = 1 if group.forked else group.sampling_params.actual_best_of
                 if seq.constraint is not None:
-                    out.structured_seq_ids.append(seq.seq_id)
+                    out.structured_seq_ids.append(seq_id)
             if group.wants_prompt_logprobs and seq is group.seqs[0]:
-                out.prompt_logprobs_seq_ids.append(seq.seq_id)
+                out.prompt_logprobs_seq_ids.append(seq_id)
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:

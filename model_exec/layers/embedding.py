@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_exec.layers import cpu_gemm, quantization
-from model_exec.layers.linear import copy_shard
-from model_exec.layers.quantization.base import release
+from model_exec.layers.quantization.base import copy_shard, release
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available
 from model_exec.layers.quantization.gguf_tensor import BLOCK, Q8_0, GGUFTensor, dequantize_rows
 from model_exec.layers.quantization.int8 import quantize_q8_0

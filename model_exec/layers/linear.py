@@ -33,7 +33,7 @@ from torch import nn
 
 from model_exec.layers import cpu_gemm, quantization
 from model_exec.layers.activation import SiluAndMul
-from model_exec.layers.quantization import GGUFTensor, as_float
+from model_exec.layers.quantization import GGUFTensor, copy_shard
 from model_exec.parallel import TPGroup
 
 if TYPE_CHECKING:
@@ -49,14 +49,6 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by tensor-parallel size {denominator}")
     return numerator // denominator
-
-
-def copy_shard(dst: torch.Tensor, src: torch.Tensor | GGUFTensor) -> None:
-    """dst.copy_(src) that refuses to broadcast: a shape mismatch means checkpoint and config disagree.
-    GGUF blocks reaching a float parameter (norms, experts) copy their exact float values."""
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint shard has shape {tuple(src.shape)}, parameter wants {tuple(dst.shape)}")
-    dst.copy_(as_float(src))
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:

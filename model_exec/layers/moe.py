@@ -34,7 +34,8 @@ from torch import nn
 from model_exec import huge_pages
 from model_exec.layers import cpu_gemm
 from model_exec.layers.activation import SiluAndMul
-from model_exec.layers.linear import ReplicatedLinear, copy_shard, divide, shard_of
+from model_exec.layers.linear import ReplicatedLinear, divide, shard_of
+from model_exec.layers.quantization.base import copy_shard
 from model_exec.parallel import TPGroup
 
 # the checkpoint part a per-expert tensor is, by its HF name (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj)

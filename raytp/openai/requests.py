@@ -128,15 +128,15 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**spec, field=field)
 
 
-# SamplingParams' own defaults of the fields a model may set (vLLM's `--generation-config vllm`)
-_BUILTIN = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_FIELDS}
-
-
-def _or_default(value: Any, name: str, defaults: Mapping[str, Any]) -> Any:
-    """The request's value; where it is unset (omitted or null), the model's default, else SamplingParams'."""
-    if value is not None:
-        return value
-    return defaults.get(name, _BUILTIN[name])
+# SamplingParams fields that the request translates (below); every other SamplingParams field the request
+# declares under the same name is handed over as it is (SamplingParams normalises and checks it), so a new
+# sampling parameter spelled alike on both sides needs no line here.
+_TRANSLATED = frozenset({"logit_bias", "max_tokens", "logprobs", "prompt_logprobs", "structured_outputs"})
+PASSED_FIELDS: tuple[str, ...] = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in SamplingFields.model_fields and f.name not in _TRANSLATED
+)
 
 
 def to_sampling_params(
@@ -152,28 +152,18 @@ def to_sampling_params(
     defaults = defaults or {}
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise RequestError("best_of greater than n is not supported when streaming.", "best_of")
-    kwargs: dict[str, Any] = dict(
-        n=req.n,
-        best_of=req.best_of,
-        temperature=_or_default(req.temperature, "temperature", defaults),
-        top_p=_or_default(req.top_p, "top_p", defaults),
-        seed=req.seed,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+    kwargs: dict[str, Any] = {}
+    for name in PASSED_FIELDS:
+        value = getattr(req, name)
+        if value is None and name in SAMPLING_FIELDS:
+            value = defaults.get(name)  # unset (omitted or null): the model's default, else SamplingParams'
+        if value is not None:  # None: SamplingParams' own default
+            kwargs[name] = value
+    return SamplingParams(
+        **kwargs,
         logit_bias=_logit_bias(req.logit_bias),
-        stop=req.stop or (),
         max_tokens=max_tokens,
-        top_k=_or_default(req.top_k, "top_k", defaults),
-        min_p=_or_default(req.min_p, "min_p", defaults),
-        repetition_penalty=_or_default(req.repetition_penalty, "repetition_penalty", defaults),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs(req),
     )
-    return SamplingParams(**kwargs)

@@ -161,6 +161,17 @@ def test_engine_values_are_exactly_the_engine_config_fields() -> None:
     assert chart_fields == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 
 
+def test_attention_backend_choices_are_the_registrys() -> None:
+    """The chart's schema cannot import ops/attention/registry.py, so it repeats the backend names: a backend
+    added there (its file and its row) must be added to both engine schemas here too, or Helm refuses it."""
+    from ops.attention.registry import ATTENTION_BACKENDS
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    engines = (schema["properties"]["engine"], schema["properties"]["models"]["items"]["properties"]["engine"])
+    for engine in engines:
+        assert engine["properties"]["attention_backend"]["enum"] == list(ATTENTION_BACKENDS)
+
+
 def test_autoscaling_keys_are_serves() -> None:
     from ray.serve.config import AutoscalingConfig
 

@@ -276,6 +276,26 @@ def mixed_logits(rows: int, vocab: int = 64, seed: int = 0, scale: float = 2.0) 
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+@NOISE
+def test_a_seeded_sequence_draws_its_steps_independently(noise: str) -> None:
+    """Across steps too, not only per step: a row that stops at EOS (probability q each step) outlives T steps
+    with probability (1 - q)^T. A draw's noise that depended on the step only weakly (or not at all: then
+    survival is 1 - q) would change how long sequences run (issue 41 compared raytp's lengths with vLLM's)."""
+    params, steps, seeds, q = SamplingParams(temperature=0.7), 60, 2000, 0.015
+    others = torch.tensor([0.5, 1.0, -0.3, 0.8, 0.2])
+    # EOS's logit puts it at q after the temperature: exp(x0 / t) = q / (1 - q) * sum(exp(others / t))
+    eos_logit = params.temperature * math.log(q / (1 - q) * float(torch.exp(others / params.temperature).sum()))
+    logits_row = torch.cat([torch.tensor([eos_logit]), others])
+    alive = list(range(seeds))
+    sampler = Sampler(noise)
+    for step in range(steps):
+        rows = [Row(params, seed=s, output_len=step) for s in alive]
+        drawn = sampler(logits_row.repeat(len(alive), 1), meta_of(rows))
+        alive = [s for s, sample in zip(alive, drawn, strict=True) if sample.token_ids[0] != EOS]
+    expected = (1 - q) ** steps
+    assert abs(len(alive) / seeds - expected) < 4.5 * math.sqrt(expected * (1 - expected) / seeds), len(alive)
+
+
 def test_seeded_results_repeat_across_runs_and_sampler_instances() -> None:
     rows, logits = mixed_rows(), mixed_logits(8)
     first = run(logits, rows)

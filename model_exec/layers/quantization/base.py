@@ -9,6 +9,10 @@ float, GGUF-block and int8 weights alike.
 Which method a layer gets is decided once per model, before it is built: `model_exec.shard` opens a
 `scope(config)` around `build_model`, and every linear layer constructed inside asks the scope's config
 (`linear_method()`). Model family files never name a quantization.
+
+Layering: `model_exec.layers.linear` builds its layers on this module, so a method sees its layer only through
+`LinearLayer`, the attributes every method reads or sets; a method that needs a layer's geometry (fp8's
+per-part scales) imports the layer classes itself, from above, as any user of the layers does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import contextlib
 import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -25,8 +29,21 @@ from torch import nn
 from model_exec.layers import cpu_gemm
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor, as_float
 
-if TYPE_CHECKING:
-    from model_exec.layers.linear import LinearBase
+
+class LinearLayer(Protocol):
+    """A linear layer as its quantization method sees it (`model_exec.layers.linear.LinearBase` is one)."""
+
+    weight: nn.Parameter  # logical shape [output_size, input_size], whatever the method keeps behind it
+    panel_weight: torch.Tensor | None  # the unquantized method's packed copies (at most one is set)
+    packed_weight: torch.Tensor | None
+
+
+def copy_shard(dst: torch.Tensor, src: torch.Tensor | GGUFTensor) -> None:
+    """dst.copy_(src) that refuses to broadcast: a shape mismatch means checkpoint and config disagree.
+    GGUF blocks reaching a float parameter (norms, experts) copy their exact float values."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint shard has shape {tuple(src.shape)}, parameter wants {tuple(dst.shape)}")
+    dst.copy_(as_float(src))
 
 
 class QuantizeMethodBase(ABC):
@@ -36,23 +53,23 @@ class QuantizeMethodBase(ABC):
 
     @abstractmethod
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
+        self, layer: LinearLayer, input_size: int, output_size: int, params_dtype: torch.dtype | None
     ) -> None:
         """Set `layer.weight`: a Parameter of logical shape [output_size, input_size] (what loaders, LoRA and
         the loading checks see), whatever memory the method keeps behind it."""
 
     @abstractmethod
-    def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
+    def load_rows(self, layer: LinearLayer, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
         """Store this rank's rows [offset, offset + len) of the weight (already cut to the shard's input
         features), given as floats or as GGUF blocks."""
 
     @abstractmethod
-    def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
+    def process_weights_after_loading(self, layer: LinearLayer, panels: bool) -> bool:
         """Move the loaded weight into its compute layout; True if the layer now runs a packed/quantized
         kernel (`panels`: EngineConfig.cpu_panel_gemm for float weights)."""
 
     @abstractmethod
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias) for x [..., input_size]."""
 
 
@@ -68,16 +85,14 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
     name = "none"
 
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
+        self, layer: LinearLayer, input_size: int, output_size: int, params_dtype: torch.dtype | None
     ) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
 
-    def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
-        from model_exec.layers.linear import copy_shard
+    def load_rows(self, layer: LinearLayer, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
+        copy_shard(layer.weight.data.narrow(0, offset, rows.shape[0]), rows)
 
-        copy_shard(layer.weight.data.narrow(0, offset, rows.shape[0]), as_float(rows))
-
-    def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
+    def process_weights_after_loading(self, layer: LinearLayer, panels: bool) -> bool:
         if layer.panel_weight is not None or layer.packed_weight is not None:
             return True
         copies = cpu_gemm.pack(layer.weight, panels)
@@ -87,7 +102,7 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         release(layer.weight)
         return True
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_gemm.linear(x, layer.weight, layer.panel_weight, layer.packed_weight, bias)
 
 

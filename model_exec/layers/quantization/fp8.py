@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from model_exec.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, UnquantizedLinearMethod, release
+from model_exec.layers.linear import ColumnParallelLinear, LinearBase
+from model_exec.layers.quantization.base import LinearLayer, QuantizationConfig, UnquantizedLinearMethod, release
 from model_exec.layers.quantization.fp8_checkpoint import Fp8Checkpoint, load_input_scale, load_weight_scale
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor
-
-if TYPE_CHECKING:
-    from model_exec.layers.linear import LinearBase
 
 logger = logging.getLogger(__name__)
 
@@ -106,25 +103,25 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         self.input_scales: nn.Parameter | None = None  # one per fused part
 
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
+        self, layer: LinearLayer, input_size: int, output_size: int, params_dtype: torch.dtype | None
     ) -> None:
         self.params_dtype = params_dtype
         if self.checkpoint is None:
             super().create_weights(layer, input_size, output_size, params_dtype)
             return
+        # the checkpoint's scales register on the layer and load through its loaders, cut with its rows
+        assert isinstance(layer, LinearBase)
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
         scale = nn.Parameter(torch.empty(output_size, 1, dtype=torch.float32), requires_grad=False)
         scale.weight_loader = partial(load_weight_scale, layer)  # type: ignore[attr-defined]
         layer.weight_scale = self.weight_scale = scale
         if self.checkpoint.static_input:
-            from model_exec.layers.linear import ColumnParallelLinear
-
             parts = len(layer.output_parts()) if isinstance(layer, ColumnParallelLinear) else 1
             inp = nn.Parameter(torch.empty(parts, dtype=torch.float32), requires_grad=False)
             inp.weight_loader = partial(load_input_scale, layer)  # type: ignore[attr-defined]
             layer.input_scale = self.input_scales = inp
 
-    def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
+    def load_rows(self, layer: LinearLayer, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
         if self.checkpoint is not None and (isinstance(rows, GGUFTensor) or rows.dtype != FP8):
             kind = "GGUF blocks" if isinstance(rows, GGUFTensor) else rows.dtype
             raise ValueError(
@@ -132,7 +129,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
             )
         super().load_rows(layer, offset, rows)
 
-    def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
+    def process_weights_after_loading(self, layer: LinearLayer, panels: bool) -> bool:
         if self.weight_t is not None:
             return True
         n, k = layer.weight.shape
@@ -159,7 +156,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         self.scale_b = scale.reshape(1, n).contiguous()
         return True
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_t is None or self.scale_b is None:
             return super().apply(layer, x, bias)
         return fp8_linear(x, self.weight_t, self.scale_b, bias, self.input_scale)
@@ -178,5 +175,5 @@ class Fp8Config(QuantizationConfig):
     def __init__(self, checkpoint: Fp8Checkpoint | None = None) -> None:
         self.checkpoint = checkpoint
 
-    def linear_method(self) -> QuantizeMethodBase:
+    def linear_method(self) -> Fp8LinearMethod:
         return Fp8LinearMethod(self.checkpoint)

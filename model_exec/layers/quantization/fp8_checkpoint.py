@@ -20,13 +20,13 @@ a per-tensor scale is first spread over its tensor's rows, so every layer holds 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from model_exec.layers.linear import LinearBase
+from model_exec.layers.linear import FUSED, ColumnParallelLinear, LinearBase
+from model_exec.layers.quantization.base import copy_shard
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,6 @@ def checkpoint_fp8(quantization_config: dict[str, Any] | None) -> Fp8Checkpoint 
 
 def _full_rows(layer: LinearBase, shard_id: str | int | None) -> int:
     """Rows of the whole checkpoint tensor `shard_id` names, for a column-parallel layer."""
-    from model_exec.layers.linear import FUSED, ColumnParallelLinear
-
     assert isinstance(layer, ColumnParallelLinear)
     world = layer.tp.world_size
     if shard_id in (None, FUSED):
@@ -133,8 +131,6 @@ def load_weight_scale(
     layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
 ) -> None:
     """`weight_scale` (one value, or one per output row) into this rank's rows of `param` [N, 1]."""
-    from model_exec.layers.linear import ColumnParallelLinear, copy_shard
-
     scale = loaded.detach().float().reshape(-1, 1)
     if not isinstance(layer, ColumnParallelLinear):  # row-parallel / replicated: every output row is here
         copy_shard(param.data, scale.expand(param.shape[0], 1) if scale.shape[0] == 1 else scale)
@@ -148,8 +144,6 @@ def load_input_scale(
     layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
 ) -> None:
     """A static per-tensor `input_scale` into its part's slot of `param` [parts] (the largest is used)."""
-    from model_exec.layers.linear import FUSED, ColumnParallelLinear
-
     if loaded.numel() != 1:
         raise ValueError(f"input_scale has shape {tuple(loaded.shape)}; static activation scales are per tensor")
     value = loaded.detach().float().reshape(())

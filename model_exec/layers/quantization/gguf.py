@@ -11,11 +11,10 @@ runs dequantized as one float matrix, exactly as without this method.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from model_exec.layers.quantization.base import LinearLayer as LinearBase  # what a method sees of its layer
 from model_exec.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
@@ -24,9 +23,6 @@ from model_exec.layers.quantization.base import (
 )
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor
 from ops.attention import cpu_kernels
-
-if TYPE_CHECKING:
-    from model_exec.layers.linear import LinearBase
 
 
 def kernels_available() -> bool:

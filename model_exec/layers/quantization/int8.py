@@ -12,16 +12,12 @@ LoRA adapters add their products on top as on float weights (the layer's forward
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-from model_exec.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, UnquantizedLinearMethod, release
+from model_exec.layers.quantization.base import LinearLayer, QuantizationConfig, UnquantizedLinearMethod, release
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available
 from model_exec.layers.quantization.gguf_tensor import BLOCK, Q8_0, GGUFTensor
-
-if TYPE_CHECKING:
-    from model_exec.layers.linear import LinearBase
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +41,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     def __init__(self) -> None:
         self.blocks: torch.Tensor | None = None
 
-    def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
+    def process_weights_after_loading(self, layer: LinearLayer, panels: bool) -> bool:
         if self.blocks is not None:
             return True
         in_features = layer.weight.shape[1]
@@ -56,7 +52,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         release(layer.weight)
         return True
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.blocks is None:
             return super().apply(layer, x, bias)
         y = gguf_linear(x, self.blocks, Q8_0)
@@ -71,5 +67,5 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 class Int8Config(QuantizationConfig):
     name = "int8"
 
-    def linear_method(self) -> QuantizeMethodBase:
+    def linear_method(self) -> Int8LinearMethod:
         return Int8LinearMethod()
