@@ -75,9 +75,23 @@ def pack_weights(model: CausalLM, panels: bool = True) -> int:
     device (on the CPU, fp32: raytp's panels when `panels` (EngineConfig.cpu_panel_gemm), else
     oneDNN's; see `layers.cpu_gemm`). Returns how many layers did. Weights cannot be loaded again
     afterwards."""
+    from model_exec.layers import cpu_gemm
     from model_exec.layers.embedding import ParallelLMHead
     from model_exec.layers.linear import LinearBase
     from model_exec.layers.moe import FusedMoE
+    from model_exec.layers.quantization.base import UnquantizedLinearMethod
+
+    # A model of many-row steps (encoders) asks to keep its fp32 CPU linears dense for MKL (cpu_gemm)
+    dense = getattr(model, "dense_cpu_gemm", False) and cpu_gemm.mkl_fast_paths()
+
+    def stays_dense(m: object) -> bool:
+        return (
+            dense
+            and isinstance(m, LinearBase)
+            and type(m.quant_method) is UnquantizedLinearMethod
+            and m.weight.device.type == "cpu"
+        )
 
     packable = LinearBase | ParallelLMHead | FusedMoE
-    return sum(1 for m in model.modules() if isinstance(m, packable) and m.pack_weights(panels))
+    layers = [m for m in model.modules() if isinstance(m, packable) and not stays_dense(m)]
+    return sum(1 for m in layers if m.pack_weights(panels))

@@ -3,13 +3,18 @@
 Tensor-parallel like the decoders (q/k/v and the feed-forward's first matrix column-parallel, the output
 projections row-parallel), post-LayerNorm blocks, absolute position embeddings, erf GELU.
 
-Decision: encoder attention runs without the paged KV cache, over the step's packed prompts laid out
-padded ([rows, longest, heads, head_dim], padding masked out of the keys) through torch's
-scaled_dot_product_attention, bidirectionally. A pooling step never reads a key written by an earlier
-step (no chunked prefill, no prefix cache, no decode), so paging buys nothing, and the paged backends'
-kernels are causal by construction: giving each of them a non-causal mode would touch every backend for
-a path that needs none of what they do. The linear layers stay packed (no padding rows in any GEMM);
-only attention scores are computed over the padded layout. The cache pairs the runner passes are unused.
+Decision: encoder attention runs without the paged KV cache, over the step's packed prompts, each
+sequence attending to itself bidirectionally (layers/packed_attention.py: no padded layout, no mask). A
+pooling step never reads a key written by an earlier step (no chunked prefill, no prefix cache, no
+decode), so paging buys nothing, and the paged backends' kernels are causal by construction: giving each
+of them a non-causal mode would touch every backend for a path that needs none of what they do. The
+cache pairs the runner passes are unused.
+
+Decision: on an Intel CPU the encoder's fp32 linear layers stay dense and run through torch's MKL
+(`dense_cpu_gemm`, honoured by models.pack_weights): a pooling step is thousands of rows, compute-bound,
+and there MKL measured ~15% faster per layer than raytp's panels and oneDNN's prepacked layout
+(docs/benchmarks.md "embedding"); elsewhere (MKL's generic paths on AMD) the panels stay. Bias adds ride
+in MKL's addmm, GELU and the residual adds run in place.
 
 Token types: a BERT pair ([CLS] a [SEP] b [SEP], a cross-encoder's input) has type 0 up to and including
 its first [SEP] and 1 after it, exactly as BERT's tokenizer builds `token_type_ids`; the model derives
@@ -22,12 +27,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_exec.config import ModelConfig
 from model_exec.layers.embedding import VocabParallelEmbedding
 from model_exec.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_exec.layers.packed_attention import packed_bidirectional_attention, sequence_bounds
 from model_exec.models.loading import CheckpointLoader, ShardId
 from model_exec.parallel import TPGroup
 from model_exec.pooling_config import num_labels
@@ -35,19 +40,6 @@ from ops.attention.base import AttentionBackend, AttentionMetadata
 
 # Checkpoint name prefixes of the encoder inside a task model (HF's base_model_prefix), stripped on load.
 _BASE_PREFIXES = ("bert.", "roberta.", "model.")
-
-
-class _PaddedLayout:
-    """Where each packed token sits in the padded [rows, longest] layout; built once per step."""
-
-    def __init__(self, meta: AttentionMetadata) -> None:
-        starts = meta.query_start_loc.long()
-        lengths = starts[1:] - starts[:-1]
-        longest = meta.max_query_len
-        offsets = torch.arange(longest, device=starts.device)
-        self.key_mask = offsets[None, :] < lengths[:, None]  # [B, L] True for real tokens
-        self.gather = torch.where(self.key_mask, starts[:-1, None] + offsets[None, :], 0)  # [B, L] packed index
-        self.scatter = self.key_mask.flatten().nonzero().squeeze(1)  # padded slot of each packed token, in order
 
 
 class EncoderSelfAttention(nn.Module):
@@ -60,14 +52,8 @@ class EncoderSelfAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.head_dim = config.head_dim
 
-    def forward(self, hidden: torch.Tensor, layout: _PaddedLayout) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        rows, longest = layout.gather.shape
-        # [B, heads, L, head_dim]
-        pq, pk, pv = (t[layout.gather].transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=layout.key_mask[:, None, None, :])
-        out = out.transpose(1, 2).reshape(rows * longest, self.num_heads * self.head_dim)
-        return out[layout.scatter]
+    def forward(self, hidden: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        return packed_bidirectional_attention(self.qkv_proj(hidden), bounds, self.num_heads, self.head_dim)
 
 
 class _DenseLayerNorm(nn.Module):
@@ -79,7 +65,7 @@ class _DenseLayerNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=eps, dtype=config.torch_dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x).add_(residual))
 
 
 class _Attention(nn.Module):
@@ -88,8 +74,8 @@ class _Attention(nn.Module):
         self.self = EncoderSelfAttention(config, tp)  # HF's module name: attention.self.query ...
         self.output = _DenseLayerNorm(config, tp, config.hidden_size, eps)
 
-    def forward(self, hidden: torch.Tensor, layout: _PaddedLayout) -> torch.Tensor:
-        return self.output(self.self(hidden, layout), hidden)
+    def forward(self, hidden: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        return self.output(self.self(hidden, bounds), hidden)
 
 
 class _Intermediate(nn.Module):
@@ -98,7 +84,7 @@ class _Intermediate(nn.Module):
         self.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size, True, tp, config.torch_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.dense(x))
+        return torch.ops.aten.gelu_(self.dense(x))  # erf GELU in place on the fresh product
 
 
 class EncoderLayer(nn.Module):
@@ -108,8 +94,8 @@ class EncoderLayer(nn.Module):
         self.intermediate = _Intermediate(config, tp)
         self.output = _DenseLayerNorm(config, tp, config.intermediate_size, eps)
 
-    def forward(self, hidden: torch.Tensor, layout: _PaddedLayout) -> torch.Tensor:
-        hidden = self.attention(hidden, layout)
+    def forward(self, hidden: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        hidden = self.attention(hidden, bounds)
         return self.output(self.intermediate(hidden), hidden)
 
 
@@ -137,6 +123,8 @@ class BertModel(CheckpointLoader):
     skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "lm_head.", "cls.")
     # XLM-R's positions index the table from padding_idx + 1 (HF: create_position_ids_from_input_ids)
     positions_after_padding_idx: ClassVar[bool] = False
+    # fp32 CPU linears stay dense for MKL where MKL has its fast paths (module docstring; models.pack_weights)
+    dense_cpu_gemm: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, tp: TPGroup, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
@@ -186,9 +174,9 @@ class BertModel(CheckpointLoader):
             + emb.token_type_embeddings(self._token_types(input_ids, meta))
         )
         hidden = emb.LayerNorm(hidden)
-        layout = _PaddedLayout(meta)
+        bounds = sequence_bounds(meta.query_start_loc)
         for layer in self.encoder.layer:
-            hidden = layer(hidden, layout)
+            hidden = layer(hidden, bounds)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
