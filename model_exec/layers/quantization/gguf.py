@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_exec.layers.quantization.base import LinearLayer as LinearBase  # what a method sees of its layer
 from model_exec.layers.quantization.base import (
+    LinearLayer,
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
@@ -50,14 +50,14 @@ class GGUFLinearMethod(QuantizeMethodBase):
         self.dense: UnquantizedLinearMethod | None = None  # set when the layer runs as floats
 
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype | None
+        self, layer: LinearLayer, input_size: int, output_size: int, params_dtype: torch.dtype | None
     ) -> None:
         # the parameter only carries the logical shape (loaders, LoRA and the loading checks read it)
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
         release(weight)
         layer.weight = weight
 
-    def load_rows(self, layer: LinearBase, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
+    def load_rows(self, layer: LinearLayer, offset: int, rows: torch.Tensor | GGUFTensor) -> None:
         if rows.shape[1] != layer.weight.shape[1] or offset + rows.shape[0] > layer.weight.shape[0]:
             raise ValueError(
                 f"checkpoint shard has shape {tuple(rows.shape)} at row {offset}, parameter wants "
@@ -69,7 +69,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
             kept = rows.detach().to(torch.float32).clone()
         self.parts = [p for p in self.parts if p[0] != offset] + [(offset, kept)]
 
-    def process_weights_after_loading(self, layer: LinearBase, panels: bool) -> bool:
+    def process_weights_after_loading(self, layer: LinearLayer, panels: bool) -> bool:
         if self.segments:
             return True
         if self.dense is not None:
@@ -99,7 +99,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
         self.dense = UnquantizedLinearMethod()
         return self.dense.process_weights_after_loading(layer, panels)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.dense is not None:
             return self.dense.apply(layer, x, bias)
         if not self.segments:
