@@ -1,7 +1,11 @@
 """The weight products of one forward pass, kernel against kernel: fp32 panels vs the GGUF block kernels
-(Q4_1, Q4_K, Q6_K, and the Q4_K_M mix), interleaved rounds in one process.
+(Q4_1, Q8_0 = the int8 quantization's blocks, Q4_K, Q6_K, and the Q4_K_M mix), interleaved rounds in one process.
 
     PYTHONPATH=. python benchmarks/gguf_kernels.py [--tokens 1 128] [--threads 1] [--rounds 9]
+        [--types Q4_1 Q8_0] [--int-road]
+
+`--int-road` adds, for each type, the integer tiles forced at every row count (RAYTP_GGUF_DEQUANT_ROWS set
+past the tokens), so a prefill shape times both roads of gguf_gemm.cpp side by side.
 
 Shapes: the 512-wide SmolLM2-sized Llama of benchmarks/kquant_model.py (SmolLM2's 576 is not a multiple of
 a K-quant super-block): per layer fused QKV 1024x512, o_proj 512x512, fused gate/up 3072x512, down 512x1536,
@@ -14,6 +18,7 @@ variant once, in turn; the medians and minima over rounds are printed, in ms per
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -46,6 +51,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M mix"])
+    ap.add_argument("--int-road", action="store_true", help="also time the integer tiles at every row count")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -75,7 +82,9 @@ def main() -> None:
                 )
         return segs
 
-    variants = {"Q4_1": uniform(3), "Q4_K": uniform(12), "Q6_K": uniform(14), "Q4_K_M mix": q4_k_m()}
+    makers = {"Q4_1": lambda: uniform(3), "Q8_0": lambda: uniform(8), "Q4_K": lambda: uniform(12)}
+    makers |= {"Q6_K": lambda: uniform(14), "Q4_K_M mix": q4_k_m}
+    variants = {name: makers[name]() for name in args.types}
     print(f"threads={torch.get_num_threads()}, {len(mats)} matrices, rounds={args.rounds}")
     with torch.inference_mode():
         for m in args.tokens:
@@ -86,17 +95,21 @@ def main() -> None:
                     cpu_gemm.panel_linear(xs[w.shape[1]], p, n, None)
 
             def blocks(
-                segs: list[list[tuple[int, torch.Tensor]]], xs: dict[int, torch.Tensor] = xs
+                segs: list[list[tuple[int, torch.Tensor]]], xs: dict[int, torch.Tensor] = xs, int_road: bool = False
             ) -> Callable[[], None]:
                 def run() -> None:
+                    os.environ["RAYTP_GGUF_DEQUANT_ROWS"] = str(1 << 30) if int_road else "0"
                     for layer, (_, w) in zip(segs, mats, strict=True):
                         outs = [gguf_linear(xs[w.shape[1]], raw, qtype) for qtype, raw in layer]
                         if len(outs) > 1:
                             torch.cat(outs, dim=-1)
+                    os.environ.pop("RAYTP_GGUF_DEQUANT_ROWS")
 
                 return run
 
             runs = {"fp32 panels": fp32, **{name: blocks(segs) for name, segs in variants.items()}}
+            if args.int_road:
+                runs |= {f"{name} int": blocks(segs, int_road=True) for name, segs in variants.items()}
             for fn in runs.values():  # warm-up
                 fn()
             times: dict[str, list[float]] = {name: [] for name in runs}
@@ -109,7 +122,7 @@ def main() -> None:
             for name, ts in times.items():
                 med = statistics.median(ts)
                 print(
-                    f"tokens={m:4d} {name:>12}: median {med:8.1f} ms  min {min(ts):8.1f} ms  x{base / med:.2f} of fp32"
+                    f"tokens={m:4d} {name:>14}: median {med:8.1f} ms  min {min(ts):8.1f} ms  x{base / med:.2f} of fp32"
                 )
 
 

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_dequant_gemm.h"
 #include "gguf_kquants.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -414,6 +415,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
               " is not a multiple of 256 (a K-quant super-block)");
   const int64_t row_bytes = super_bytes ? k_len / raytp::kSuper * super_bytes : k_len / kBlock * block_bytes(qtype);
   TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: w rows hold ", w.size(1), " bytes, K = ", k_len, " needs ", row_bytes);
+  if (raytp::dequant_road(rows)) {  // a prefill chunk: W dequantized per chunk, fp32 FMA tiles
+    at::Tensor out = at::empty({rows, n_out}, x.options());
+    raytp::gguf_dequant_linear(qtype, x.data_ptr<float>(), x.stride(0), rows, k_len, w.data_ptr<uint8_t>(), row_bytes,
+                               n_out, out.data_ptr<float>());
+    return out;
+  }
   const int64_t nb = k_len / kBlock;
   const bool two_bytes = qtype == kQ4_0 || qtype == kQ4_1;  // kTwoByteX
   QuantX qx{std::vector<int8_t>(rows * k_len), std::vector<int8_t>(two_bytes ? rows * k_len : 0),
