@@ -1,9 +1,10 @@
 """The GGUF block kernel (ops/csrc/gguf_gemm.cpp) against the dequantized reference, per kernel type.
 
-Blocks come from the `gguf` package's own quantizer. Two references: an exact model of the kernel's
-arithmetic (x quantized per 32-block to int8, integer dots, in float64) that the kernel must match to float32
+Blocks come from the `gguf` package's own quantizer. Two references: an exact model of the integer tiles'
+arithmetic (x quantized per 32-block to int8, integer dots, in float64) that they must match to float32
 rounding, and the plain product with the dequantized weights (the float path a GGUF used to load as), which
-it must match to the int8 activations' rounding. Odd shapes (N not a multiple of anything, one block of K),
+they must match to the int8 activations' rounding and the dequantizing road (prefill) to float32 rounding;
+each road runs at every row count (tests/helpers/gguf_road.py). Odd shapes (N not a multiple of anything, one block of K),
 decode (1-4 rows) and prefill (many rows, the 4-row tiles and their remainder), tensor-parallel slices
 (row-parallel cuts along K at block boundaries, column-parallel along N).
 """
@@ -18,6 +19,7 @@ from gguf.quants import quantize  # noqa: E402
 
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available  # noqa: E402
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor, dequantize_rows  # noqa: E402
+from tests.helpers.gguf_road import DEQUANT_ROWS, ROADS, has_dequant_road, take_road  # noqa: E402
 from tests.helpers.isa import needs_avx512, rerun_on_avx2  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the C++ kernels' AVX2 build is not available")
@@ -51,24 +53,35 @@ def _emulated(x: torch.Tensor, w: GGUFTensor) -> torch.Tensor:
     return (x_hat @ w.dequantize().double().T).float()
 
 
+@pytest.mark.parametrize("road", ROADS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 131])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 64, 131])
 @pytest.mark.parametrize(("n", "k"), [(37, 32), (77, 576), (16, 1536)])
-def test_gguf_linear_matches_the_dequantized_reference(qtype: object, rows: int, n: int, k: int) -> None:
+def test_gguf_linear_matches_the_dequantized_reference(
+    monkeypatch: pytest.MonkeyPatch, road: str, qtype: object, rows: int, n: int, k: int
+) -> None:
+    take_road(monkeypatch, road)
     w = _blocks(n, k, qtype, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = gguf_linear(x, w.raw, w.qtype)
-    torch.testing.assert_close(y, _emulated(x, w), rtol=1e-4, atol=1e-4 * float(y.abs().max()))
     reference = x @ w.dequantize().T
+    if road == "dequant":  # the dequantized weights themselves, fp32 accumulation in k order
+        torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+        return
+    torch.testing.assert_close(y, _emulated(x, w), rtol=1e-4, atol=1e-4 * float(y.abs().max()))
     # x's rounding: int8's 1/254 of a block's range, or 16 bits' 1/65024
     bound = 1e-4 if int(qtype) in TWO_BYTE_X else 0.03  # type: ignore[call-overload]
     assert float((y - reference).abs().max()) <= bound * float(reference.abs().max())
 
 
+@pytest.mark.parametrize("road", ROADS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_tensor_parallel_slices_are_the_full_products_parts(qtype: object) -> None:
+def test_tensor_parallel_slices_are_the_full_products_parts(
+    monkeypatch: pytest.MonkeyPatch, road: str, qtype: object
+) -> None:
     """Row-parallel: the two ranks' K halves (cut at a block boundary) sum to the full product, each its
     own blocks; column-parallel: N halves side by side."""
+    take_road(monkeypatch, road)
     w = _blocks(48, 192, qtype, seed=3)
     x = torch.randn(5, 192, generator=torch.Generator().manual_seed(5))
     halves = [w.narrow(1, 96 * r, 96) for r in range(2)]
@@ -76,7 +89,8 @@ def test_tensor_parallel_slices_are_the_full_products_parts(qtype: object) -> No
     parts = [
         gguf_linear(x[:, 96 * r : 96 * (r + 1)].contiguous(), h.raw.contiguous(), h.qtype) for r, h in enumerate(halves)
     ]  # type: ignore[union-attr]
-    torch.testing.assert_close(parts[0] + parts[1], _emulated(x, w), rtol=1e-4, atol=1e-4)
+    full = _emulated(x, w) if road == "int" else x @ w.dequantize().T
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-4, atol=1e-4)
     cols = torch.cat([gguf_linear(x, part.raw.contiguous(), part.qtype) for part in w.split([24, 24])], dim=-1)
     torch.testing.assert_close(cols, gguf_linear(x, w.raw, w.qtype), rtol=0, atol=0)
     # a cut between blocks cannot keep blocks: the exact floats come instead
@@ -89,6 +103,21 @@ def test_tensor_parallel_slices_are_the_full_products_parts(qtype: object) -> No
 def test_dequantize_rows_is_the_gguf_packages_dequantization(qtype: object) -> None:
     w = _blocks(9, 96, qtype, seed=11)
     torch.testing.assert_close(dequantize_rows(w.raw, w.qtype, 96), w.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not has_dequant_road, reason="the dequantizing road needs AVX-512F")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_road_follows_the_row_count(monkeypatch: pytest.MonkeyPatch, qtype: object) -> None:
+    """Unset, the threshold is kDequantRows: one row fewer takes the integer tiles, from there the dequantizing road."""
+    w = _blocks(40, 576, qtype, seed=7)
+    x = torch.randn(DEQUANT_ROWS, 576, generator=torch.Generator().manual_seed(7))
+    monkeypatch.delenv("RAYTP_GGUF_DEQUANT_ROWS", raising=False)
+    default = [gguf_linear(x[:rows], w.raw, w.qtype) for rows in (DEQUANT_ROWS - 1, DEQUANT_ROWS)]
+    for road, rows, got in (("int", DEQUANT_ROWS - 1, default[0]), ("dequant", DEQUANT_ROWS, default[1])):
+        take_road(monkeypatch, road)
+        torch.testing.assert_close(got, gguf_linear(x[:rows], w.raw, w.qtype), rtol=0, atol=0)
+    take_road(monkeypatch, "int")
+    assert not torch.equal(default[1], gguf_linear(x, w.raw, w.qtype))  # the roads do differ in their bits
 
 
 def test_bad_inputs_are_refused() -> None:

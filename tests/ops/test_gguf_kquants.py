@@ -4,7 +4,8 @@ The `gguf` package dequantizes these types but cannot quantize them, so blocks c
 writer (tests/helpers/kquants.py), itself checked against the package's `dequantize`. References as in
 test_gguf_gemm.py: an exact model of the kernel's arithmetic (x per 32-block in int8, integer dots, float64),
 matched to float32 rounding, and the plain product with the dequantized weights, matched to the int8
-activations' rounding. Decode (1-4 rows) and prefill (the 4-row tiles and their remainder), odd N, one and
+activations' rounding; the dequantizing (prefill) road matches the latter to float32 rounding, each road at
+every row count (tests/helpers/gguf_road.py). Decode (1-4 rows) and prefill (the 4-row tiles and their remainder), odd N, one and
 several super-blocks of K, tensor-parallel cuts on and inside super-blocks.
 """
 
@@ -19,6 +20,7 @@ from gguf.quants import Q4_K, dequantize  # noqa: E402
 
 from model_exec.layers.quantization.gguf import gguf_linear, kernels_available  # noqa: E402
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor, dequantize_rows  # noqa: E402
+from tests.helpers.gguf_road import ROADS, take_road  # noqa: E402
 from tests.helpers.kquants import quantize_kquant  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the C++ kernels' AVX2 build is not available")
@@ -82,25 +84,34 @@ def test_dequantize_rows_is_the_gguf_packages_dequantization(qtype: T) -> None:
     torch.testing.assert_close(dequantize_rows(w.raw, w.qtype, 768), w.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("road", ROADS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 131])
 @pytest.mark.parametrize(("n", "k"), [(37, 256), (77, 768), (16, 1536)])
-def test_kquant_linear_matches_the_dequantized_reference(qtype: T, rows: int, n: int, k: int) -> None:
+def test_kquant_linear_matches_the_dequantized_reference(
+    monkeypatch: pytest.MonkeyPatch, road: str, qtype: T, rows: int, n: int, k: int
+) -> None:
+    take_road(monkeypatch, road)
     w = _blocks(n, k, qtype, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = gguf_linear(x, w.raw, w.qtype)
-    torch.testing.assert_close(y, _emulated(x, w), rtol=1e-4, atol=1e-4 * float(y.abs().max()))
     reference = x @ w.dequantize().T
+    if road == "dequant":  # the dequantized weights themselves (prefill's road), fp32 accumulation
+        torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+        return
+    torch.testing.assert_close(y, _emulated(x, w), rtol=1e-4, atol=1e-4 * float(y.abs().max()))
     # x's int8 rounding meets Q4_K's unsigned d sc q (its mins are applied on the float x): ~1.5% of the
     # output's norm there, ~0.5% for Q6_K; a wrong scale or layout is off by the output's own size
     assert float((y - reference).norm()) <= 0.03 * float(reference.norm())
 
 
+@pytest.mark.parametrize("road", ROADS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_tensor_parallel_cuts(qtype: T) -> None:
+def test_tensor_parallel_cuts(monkeypatch: pytest.MonkeyPatch, road: str, qtype: T) -> None:
     """Row-parallel: K halves cut on a super-block boundary keep blocks and sum to the full product;
     column-parallel: N halves side by side; a cut inside a super-block (on a 32-boundary, where the 32-block
     types would keep blocks) gives the exact floats instead."""
+    take_road(monkeypatch, road)
     w = _blocks(40, 512, qtype, seed=3)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
     halves = [w.narrow(1, 256 * r, 256) for r in range(2)]
@@ -109,7 +120,8 @@ def test_tensor_parallel_cuts(qtype: T) -> None:
         gguf_linear(x[:, 256 * r : 256 * (r + 1)].contiguous(), h.raw.contiguous(), h.qtype)  # type: ignore[union-attr]
         for r, h in enumerate(halves)
     ]
-    torch.testing.assert_close(parts[0] + parts[1], _emulated(x, w), rtol=1e-4, atol=1e-4)
+    full = _emulated(x, w) if road == "int" else x @ w.dequantize().T
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-4, atol=1e-4)
     cols = torch.cat([gguf_linear(x, part.raw.contiguous(), part.qtype) for part in w.split([17, 23])], dim=-1)
     torch.testing.assert_close(cols, gguf_linear(x, w.raw, w.qtype), rtol=0, atol=0)
     for start, length in ((128, 256), (0, 128), (256, 96)):
