@@ -4,8 +4,8 @@ Blocks come from the `gguf` package's own quantizer. Two references: an exact mo
 arithmetic (x quantized per 32-block to int8, integer dots, in float64) that they must match to float32
 rounding, and the plain product with the dequantized weights (the float path a GGUF used to load as), which
 they must match to the int8 activations' rounding and the dequantizing road (prefill) to float32 rounding;
-each road runs at every row count (tests/helpers/gguf_road.py). Odd shapes (N not a multiple of anything, one block of K),
-decode (1-4 rows) and prefill (many rows, the 4-row tiles and their remainder), tensor-parallel slices
+each road runs at every row count (tests/helpers/gguf_road.py). Odd shapes (N not a multiple of anything,
+one block of K), decode (1-4 rows) and prefill (many rows, the 4-row tiles and their remainder), tensor-parallel slices
 (row-parallel cuts along K at block boundaries, column-parallel along N).
 """
 

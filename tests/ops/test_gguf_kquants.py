@@ -5,8 +5,8 @@ writer (tests/helpers/kquants.py), itself checked against the package's `dequant
 test_gguf_gemm.py: an exact model of the kernel's arithmetic (x per 32-block in int8, integer dots, float64),
 matched to float32 rounding, and the plain product with the dequantized weights, matched to the int8
 activations' rounding; the dequantizing (prefill) road matches the latter to float32 rounding, each road at
-every row count (tests/helpers/gguf_road.py). Decode (1-4 rows) and prefill (the 4-row tiles and their remainder), odd N, one and
-several super-blocks of K, tensor-parallel cuts on and inside super-blocks.
+every row count (tests/helpers/gguf_road.py). Decode (1-4 rows) and prefill (the 4-row tiles and their
+remainder), odd N, one and several super-blocks of K, tensor-parallel cuts on and inside super-blocks.
 """
 
 from __future__ import annotations
