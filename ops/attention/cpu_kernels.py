@@ -53,12 +53,14 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "gguf_gemm.cpp",  # model_exec/layers/quantization's GGUF linear
     Path(__file__).parents[1] / "csrc" / "gguf_kquants.cpp",  # its Q4_K / Q6_K kernels
     Path(__file__).parents[1] / "csrc" / "gguf_dequant_gemm.cpp",  # its many-row (prefill) road
+    Path(__file__).parents[1] / "csrc" / "gguf_q8_rows.cpp",  # its Q8_0 decode tile
 ]
 # Headers the sources include: part of `build_name`'s hash, so an edited header builds anew too.
 _HEADERS = [
     Path(__file__).parents[1] / "csrc" / "vec_math.h",
     Path(__file__).parents[1] / "csrc" / "gguf_kquants.h",
     Path(__file__).parents[1] / "csrc" / "gguf_dequant_gemm.h",
+    Path(__file__).parents[1] / "csrc" / "gguf_q8_rows.h",
 ]
 # Every op the sources register: the library counts as loaded only when all of them are there.
 _OPS = (

@@ -40,6 +40,7 @@
 
 #include "gguf_dequant_gemm.h"
 #include "gguf_kquants.h"
+#include "gguf_q8_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -400,7 +401,13 @@ void run(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* w, int64_
 #if defined(__AVX2__) && defined(__FMA__)
       if (!qx.qv.empty()) {
         for (; m + kRows <= rows; m += kRows) tile_vnni<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
-        for (; m < rows; ++m) tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+        for (; m < rows; ++m) {
+          if constexpr (Q == kQ8_0)  // its own one-row tile (gguf_q8_rows.cpp): a Q8_0 pair is more than one load
+            raytp::q8_0_row(qx.q.data() + m * k_len, qx.d.data() + m * (k_len / kBlock), k_len, w, row_bytes, n0, n1,
+                            out + m * n_out, 1);
+          else
+            tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+        }
         continue;
       }
 #endif
