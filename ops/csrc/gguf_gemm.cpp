@@ -19,6 +19,12 @@
 // Q4_1 model's perplexity from +0.66% to +0.21% of the dequantized weights' for ~10% more time per
 // weight); tests/ops/test_gguf_gemm.py bounds both against the dequantized product.
 //
+// Two other roads (measured, docs/benchmarks.md): from kDequantRows (16) rows of x, with AVX-512F, the call goes to
+// gguf_dequant_gemm.cpp (W dequantized per 32-feature chunk into fp32 panels, FMA tiles: the integer tiles below
+// cost ~1.6x the fp32 panels' instructions per weight and row, so a 128-token prefill ran at ~0.4x the fp32
+// model's rate); and the rows a Q8_0 matrix leaves after the 4-row tiles (a decode step) run gguf_q8_rows.cpp's
+// one-row tile. Both keep this function's signature; q4layer's fused decoder calls it as an op.
+//
 // Work split: threads take ranges of output features (each reads only its share of W, in file order); inside,
 // a chunk of kChunk output rows (a few KB of W, kept in L1/L2) is run against every tile of kRows rows of x.
 //
