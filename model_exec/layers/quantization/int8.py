@@ -3,7 +3,8 @@
 Each linear layer's rows load as floats (the same loaders and TP sharding as unquantized), then
 `process_weights_after_loading` quantizes them per group of 32 input features with an fp16 scale: exactly
 GGUF's Q8_0 block (`d = max|w| / 127`, `q = round(w / d)`), so the product runs on the same block kernel
-(`ops/csrc/gguf_gemm.cpp`) and reads 1.06 bytes per weight instead of 4. Per-group rather than
+(`ops/csrc/gguf_gemm.cpp`: a decode row on `gguf_q8_rows.cpp`'s tile, a prefill chunk dequantized to fp32
+panels by `gguf_dequant_gemm.cpp`) and reads 1.06 bytes per weight instead of 4. Per-group rather than
 per-output-channel scales: one scale per 32 weights follows outliers inside a row that a per-row scale
 cannot, at 6% more bytes. A layer whose rank-local input size is not a multiple of 32 stays in floats (logged).
 LoRA adapters add their products on top as on float weights (the layer's forward, not the method).
