@@ -12,6 +12,9 @@ prefix caching off) and then llama.cpp's anchor (`/work/shared/anchors/llamacpp_
 128-token prompt and 256 greedy tokens) in its own venv; medians over rounds are printed. Prefill = the time
 of a max_tokens=1 request on that prompt; decode ms/token = (time of the 257-token request - prefill) / 256.
 
+`--ab-layer-call` adds the blocks once more with the one-call decode layer off (`RAYTP_CPU_DECODE_LAYER=0`,
+model_exec/models/fused_decode.py): the per-op Python layers it replaced, timed in the same rounds.
+
 Perplexity: the first 1,100 tokens of benchmarks/data/ppl_text.txt (the opening of the GPL-3 text, fixed
 English prose) through `prompt_logprobs` on each raytp engine. RSS: the process's resident memory before
 and after each engine's load (each measured on top of the engines loaded before it).
@@ -86,6 +89,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--llamacpp-python", default=None, help="python of a llama-cpp-cffi venv (llamacpp_venv.sh)")
     ap.add_argument("--skip-ppl", action="store_true")
+    ap.add_argument(
+        "--ab-layer-call",
+        action="store_true",
+        help="add a row: the blocks without the one-call decode layer (RAYTP_CPU_DECODE_LAYER=0), interleaved",
+    )
+    ap.add_argument("--skip-int8", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -98,12 +107,15 @@ def main() -> None:
     assert src.kind == "gguf", "this benchmark compares a GGUF file's blocks with its dequantized weights"
     engines: dict[str, Any] = {}
     rss: dict[str, tuple[float, float]] = {}
-    variants = (
-        ("fp32 (dequantized)", "none"),
-        (f"gguf {Path(src.gguf_path).stem} (blocks)", "gguf"),
-        ("int8 (of the fp32 weights)", "int8"),
-    )
-    for name, quant in variants:
+    blocks = f"gguf {Path(src.gguf_path).stem} (blocks)"
+    variants = [("fp32 (dequantized)", "none", True), (blocks, "gguf", True)]  # (row, quantization, layer call)
+    if args.ab_layer_call:
+        variants.append((f"{blocks}, per-op Python layers", "gguf", False))
+    if not args.skip_int8:
+        variants.append(("int8 (of the fp32 weights)", "int8", True))
+    for name, quant, layer_call in variants:
+        if not layer_call:  # models/fused_decode.py reads the switch when a model is built
+            os.environ["RAYTP_CPU_DECODE_LAYER"] = "0"
         before = rss_mb()
         engines[name] = LLM(
             model=args.model,
@@ -112,6 +124,7 @@ def main() -> None:
             kv_cache_memory_bytes=256 << 20,
             distributed_executor_backend="inprocess",
         )
+        os.environ.pop("RAYTP_CPU_DECODE_LAYER", None)
         rss[name] = (before, rss_mb())
         print(f"loaded {name}: RSS {rss[name][0]:.0f} -> {rss[name][1]:.0f} MB", flush=True)
     tok = next(iter(engines.values())).get_tokenizer()

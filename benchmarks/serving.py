@@ -10,6 +10,8 @@ request generates exactly what it asked for), greedy. Requests arrive as a Poiss
     python benchmarks/serving.py --baseline vllm --request-rate 1 --num-prompts 32 --rounds 2
     python benchmarks/serving.py --baseline vllm --find-max-rate        # highest sustained rate of each
     python benchmarks/serving.py --ab=--async-scheduling --rounds 4     # raytp with and without a flag
+    python benchmarks/serving.py --baseline vllm --client vllm-bench --request-rate 2 --num-prompts 64 \
+        --input-len 128 384 --output-len 64 64 --rounds 4               # measured by vLLM's own client
 
 `--baseline vllm` starts `raytp serve` and vLLM's OpenAI server as subprocesses on the same fp32
 safetensors directory with the same 4 GiB KV budget, then measures them in interleaved rounds (raytp,
@@ -54,7 +56,20 @@ def workload(args: argparse.Namespace, n: int, round_index: int) -> list[Request
     return random_requests(n, tuple(args.input_len), tuple(args.output_len), args.vocab, args.seed, round_index)
 
 
-def measure(args: argparse.Namespace, base_url: str, work: list[Request], rate: float) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, base_url: str, work: list[Request], rate: float, round_index: int = 0
+) -> dict[str, Any]:
+    """One round of load against one server: raytp's client on `work`, or with `--client vllm-bench` vLLM's
+    `vllm bench serve` on its own random prompts of the same lengths (seeded per round: both servers of a
+    round get the same ones)."""
+    if args.client == "vllm-bench":
+        from benchmarks.common.hf_model import hf_model_dir
+        from benchmarks.common.vllm_bench_client import bench_serve
+
+        log = Path(args.log_dir) / "vllm-bench.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        io = (tuple(args.input_len), tuple(args.output_len))
+        return bench_serve(base_url, hf_model_dir(args.model), *io, len(work), rate, args.seed + round_index, log)
     results, duration = asyncio.run(run_load(base_url, work, rate, args.seed + 1, args.headers))
     return summarize(results, duration, rate)
 
@@ -160,7 +175,8 @@ def run_alone(args: argparse.Namespace) -> None:
             _write_json(args, probes)
             return
         summaries = [
-            measure(args, base_url, workload(args, args.num_prompts, r), args.request_rate) for r in range(args.rounds)
+            measure(args, base_url, workload(args, args.num_prompts, r), args.request_rate, r)
+            for r in range(args.rounds)
         ]
         for s in summaries:
             print_summary(s)
@@ -203,7 +219,7 @@ def run_against_vllm(args: argparse.Namespace) -> None:
             work = workload(args, args.num_prompts, r)
             for name, url in urls.items():
                 with servers[name].running():
-                    s = measure(args, url, work, args.request_rate)
+                    s = measure(args, url, work, args.request_rate, r)
                 summaries[name].append(s)
                 print(
                     f"round {r + 1} {name:>5}: {s['request_throughput']:.2f} req/s, "
@@ -254,7 +270,8 @@ def _print_table(args: argparse.Namespace, med: dict[str, dict[str, Any]]) -> No
     print("\n| workload | vllm | raytp | raytp / vllm |\n| --- | --- | --- | --- |")
     print(
         f"| serve, --request-rate {args.request_rate:g} --num-prompts {args.num_prompts} | {cell(v)} | {cell(r)} "
-        f"| {r['request_throughput'] / v['request_throughput']:.2f}× req/s |"
+        f"| {r['request_throughput'] / v['request_throughput']:.2f}× req/s; "
+        f"TTFT p50 {r['ttft_p50_ms'] / v['ttft_p50_ms']:.2f}×, ITL p50 {r['itl_p50_ms'] / v['itl_p50_ms']:.2f}× |"
     )
 
 
@@ -291,12 +308,21 @@ def main() -> None:
         help="compare `raytp serve` with and without FLAGS (one string: --ab=--async-scheduling), alternating "
         "rounds, one server at a time (benchmarks/common/serving_ab.py)",
     )
+    p.add_argument(
+        "--client",
+        choices=("raytp", "vllm-bench"),
+        default="raytp",
+        help="the load generator: raytp's own (benchmarks/common/serving_load.py) or vLLM's `vllm bench serve` "
+        "(random dataset; --input-len/--output-len as centre +- ratio; benchmarks/common/vllm_bench_client.py)",
+    )
     p.add_argument("--log-dir", default="/tmp/raytp-serving-bench", help="the servers' logs (with --baseline)")
     p.add_argument("--json", default=None, help="also write the summaries (of a search: every probe's) to this file")
     args = p.parse_args()
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.rounds is None:  # a comparison needs medians of >= 2 interleaved rounds
         args.rounds = 2 if args.baseline == "vllm" else 1
+    if args.client == "vllm-bench" and (args.ab is not None or args.find_max_rate or args.api_key):
+        p.error("--client vllm-bench measures fixed-rate rounds: no --ab, --find-max-rate or --api-key")
     if args.ab is not None:
         if args.baseline == "vllm" or args.base_url:
             p.error("--ab compares two raytp servers it starts itself; no --baseline or --base-url")

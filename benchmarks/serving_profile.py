@@ -12,7 +12,8 @@ load (default 1 req/s), and reports:
   controller, worker, Ray daemons), also per output token: on a 2-core machine every CPU ms a hop
   spends is taken from the model;
 - with `--py-spy`, the hottest functions (own samples while holding the GIL) of the ingress, the
-  LLMServer replica and the controller.
+  LLMServer replica and the controller; and the model worker's samples (all, its ops drop the GIL) by
+  phase of its step: input preparation, forward, sampler, the rest (`print_phases`).
 
 The engine-side figures come from Ray's exported histograms (sum / count deltas around the load),
 so they are means, not percentiles, and coarse ones: Ray's OpenTelemetry recorder re-records each
@@ -102,11 +103,12 @@ def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def py_spy_top(pid: int, seconds: float, out_dir: Path, name: str) -> subprocess.Popen[bytes]:
+def py_spy_top(pid: int, seconds: float, out_dir: Path, name: str, gil: bool = True) -> subprocess.Popen[bytes]:
     spy = str(Path(sys.executable).with_name("py-spy"))
     raw = out_dir / f"{name}.txt"
     # --gil: only samples where a thread holds the GIL, i.e. Python work; without it Ray's core-worker
-    # loop, blocked in native code, fills most samples of every actor.
+    # loop, blocked in native code, fills most samples of every actor. The model worker is sampled without
+    # it (`gil=False`): torch's ops release the GIL while they compute, and that time is what it is for.
     cmd = [
         spy,
         "record",
@@ -118,7 +120,7 @@ def py_spy_top(pid: int, seconds: float, out_dir: Path, name: str) -> subprocess
         "200",
         "--format",
         "raw",
-        "--gil",
+        *(["--gil"] if gil else []),
     ]
     return subprocess.Popen(
         [*cmd, "--output", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -139,6 +141,41 @@ def print_hot(raw: Path, top: int = 8) -> None:
     print(f"  {raw.stem}: {total} active samples")
     for frame, n in own.most_common(top):
         print(f"    {100 * n / total:5.1f}%  {frame[:110]}")
+
+
+# The model worker's step by phase: a sample counts for the innermost phase whose frame is in its stack (py-spy
+# names a frame `Class.method (file:line)`).
+WORKER_PHASES = (
+    (
+        "input preparation",
+        ("ModelRunner._apply_deltas ", "ModelRunner._host_inputs ", "ModelRunner._fill_placeholders"),
+    ),
+    ("model forward", ("ModelRunner._forward ",)),
+    ("sampler", ("ModelRunner._sample ",)),
+    ("step (rest: unpickle, block ops, outputs)", ("Worker.execute_model ",)),
+)
+
+
+def print_phases(raw: Path, phases: tuple[tuple[str, tuple[str, ...]], ...] = WORKER_PHASES) -> None:
+    """Each phase's share of a py-spy raw file's samples (inclusive), the rest as "outside the step"."""
+    if not raw.is_file():
+        return
+    counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        total += int(count)
+        frames = stack.split(";")
+        phase = "outside the step (Ray, idle loop)"
+        for f in reversed(frames):
+            hit = next((name for name, keys in phases if any(f.startswith(k) for k in keys)), None)
+            if hit is not None:
+                phase = hit
+                break
+        counts[phase] += int(count)
+    print(f"  {raw.stem} by phase ({total} samples):")
+    for name, n in counts.most_common():
+        print(f"    {100 * n / max(total, 1):5.1f}%  {name}")
 
 
 def main() -> None:
@@ -174,6 +211,8 @@ def main() -> None:
             for pid, (r, _) in before_cpu.items():
                 if r in ("OpenAIIngress", "LLMServer", "EngineController"):
                     spies.append((r, py_spy_top(pid, expected, logs, r)))
+                elif r == "Worker":  # the model's rank: where its step's time goes besides the forward
+                    spies.append((r, py_spy_top(pid, expected, logs, r, gil=False)))
         t0 = time.perf_counter()
         results, duration = asyncio.run(run_load(url, work, args.request_rate, args.seed + 1, {}))
         wall = time.perf_counter() - t0
@@ -222,6 +261,8 @@ def main() -> None:
         for name, spy in spies:
             spy.wait(timeout=120)
             print_hot(logs / f"{name}.txt")
+            if name == "Worker":
+                print_phases(logs / f"{name}.txt")
     finally:
         server.stop()
 

@@ -100,6 +100,11 @@ class RayExecutor(Executor):
                     num_cpus=cpus,
                     num_gpus=1 if use_gpu else 0,
                     max_restarts=0,
+                    # Decision: no Ray task events for the ranks' calls. Every step is one actor call, and each
+                    # call's events (state changes, timings) are buffered in both processes and sent to the GCS
+                    # for the dashboard's task list: per-step work on the cores the model computes on. A rank's
+                    # failure still reaches the engine as the call's error (`_gather`), not through them.
+                    enable_task_events=False,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),

@@ -32,6 +32,7 @@ from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_exec.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_exec.layers.norm import GemmaRMSNorm, RMSNorm, per_head_norm
 from model_exec.layers.rotary import RopeAngles, RotaryEmbedding
+from model_exec.models import fused_decode
 from model_exec.models.loading import (
     STACKED_QKV_GATE_UP,
     STACKED_QKV_GATE_UP_SHARD_IDS,
@@ -41,6 +42,7 @@ from model_exec.models.loading import (
 from model_exec.models.options import LAYER_TYPES, DecoderOptions, layer_types, mlp_factory, rope_by_layer_type
 from model_exec.parallel import TPGroup
 from ops.attention.base import AttentionBackend, AttentionMetadata
+from ops.fused_decode import decode_layer
 
 
 def norm_class(spec: DecoderSpec) -> type[RMSNorm]:
@@ -158,6 +160,25 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(size, eps, dtype)
             self.post_feedforward_layernorm = norm(size, eps, dtype)
 
+    def fused_decode_plan(self, rotary_dim: int) -> fused_decode.LayerPlan | None:
+        """The one-call decode op's arguments for this layer when it has Llama's shape (models/fused_decode.py
+        says what else it needs), else None; raises `fused_decode.Pending` before the weights are packed."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None or self.pre_feedforward_layernorm is not None:
+            return None  # q/k norms, sandwich norms
+        if not isinstance(mlp, GatedMLP) or mlp.act is not None:
+            return None  # MoE, non-SiLU activations
+        return fused_decode.layer_plan(
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            attn.qkv_proj,
+            attn.o_proj,
+            mlp.gate_up_proj,
+            mlp.down_proj,
+            attn.attn,
+            rotary_dim,
+        )
+
     def forward(
         self,
         rope: RopeAngles,
@@ -230,6 +251,33 @@ class DecoderModel(nn.Module):
             layers.append(DecoderLayer(config, Attention(config, options, tp, attn_backend, i), mlp, spec))
         self.layers = nn.ModuleList(layers)
         self.norm = norm_class(spec)(config.hidden_size, config.rms_norm_eps, dtype)
+        # the one-call decode layers (models/fused_decode.py): None until decided (after packing), then a plan
+        # per layer, or False where some layer does not fit
+        self._fused: list[fused_decode.LayerPlan] | bool | None = None if fused_decode.wanted() else False
+
+    def fused_decode_plans(self) -> list[fused_decode.LayerPlan] | None:
+        """Every layer's one-call decode plan, or None when some layer does not fit (decided once the
+        weights are in their final layout; weights never load again after packing)."""
+        if self._fused is None:
+            try:
+                plans = [
+                    layer.fused_decode_plan(self.rotary_embs[r].rotary_dim)  # type: ignore[operator]
+                    for layer, r in zip(self.layers, self.layer_rotary, strict=True)
+                ]
+            except fused_decode.Pending:
+                return None
+            self._fused = False if any(p is None for p in plans) else plans
+        return self._fused if isinstance(self._fused, list) else None
+
+    def _decode_step_plans(
+        self, hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+    ) -> list[fused_decode.LayerPlan] | None:
+        """The plans when this step can run one call per layer: every row a decode row, fp32 on the CPU."""
+        if meta.num_decodes != hidden.shape[0] or hidden.dtype != torch.float32 or not hidden.is_cpu:
+            return None
+        if kv_caches[0][0].dtype != torch.float32:
+            return None
+        return self.fused_decode_plans()
 
     def forward(
         self,
@@ -246,8 +294,18 @@ class DecoderModel(nn.Module):
         # once per step, not per layer
         ropes = [rotary.angles(positions, hidden.dtype, meta) for rotary in self.rotary_embs]  # type: ignore[operator]
         residual: torch.Tensor | None = None
-        for layer, rotary, kv_cache in zip(self.layers, self.layer_rotary, kv_caches, strict=True):
-            hidden, residual = layer(ropes[rotary], hidden, residual, kv_cache, meta)
+        plans = self._decode_step_plans(hidden, kv_caches, meta)
+        if plans is not None:  # a decode step on the CPU road: one C++ call per layer, the same kernels' bits
+            slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+            for p, rotary, (key_cache, value_cache) in zip(plans, self.layer_rotary, kv_caches, strict=True):
+                rope = ropes[rotary]
+                hidden, residual = decode_layer(
+                    hidden, residual, p.weights, p.plan, p.eps, p.scale, p.soft_cap, rope.cos, rope.sin,
+                    key_cache, value_cache, slots, tables, lens,
+                )  # fmt: skip
+        else:
+            for layer, rotary, kv_cache in zip(self.layers, self.layer_rotary, kv_caches, strict=True):
+                hidden, residual = layer(ropes[rotary], hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

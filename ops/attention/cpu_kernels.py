@@ -1,5 +1,6 @@
 """The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
-`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`, `../csrc/gguf_gemm.cpp`, `../csrc/gguf_kquants.cpp`), compiled
+`../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`, `../csrc/gguf_gemm.cpp`, `../csrc/gguf_kquants.cpp`,
+`../csrc/decode_layer.cpp`), compiled
 into one library once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
@@ -54,6 +55,7 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "gguf_kquants.cpp",  # its Q4_K / Q6_K kernels
     Path(__file__).parents[1] / "csrc" / "gguf_dequant_gemm.cpp",  # its many-row (prefill) road
     Path(__file__).parents[1] / "csrc" / "gguf_q8_rows.cpp",  # its Q8_0 decode tile
+    Path(__file__).parents[1] / "csrc" / "decode_layer.cpp",  # ops/fused_decode.py's one-call decoder layer
 ]
 # Headers the sources include: part of `build_name`'s hash, so an edited header builds anew too.
 _HEADERS = [
@@ -74,6 +76,7 @@ _OPS = (
     "panel_linear_silu_mul",
     "write_kv_cache",
     "gguf_linear",
+    "decode_layer",
 )
 
 

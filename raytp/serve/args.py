@@ -58,6 +58,12 @@ _CHAT_FIELDS = frozenset(f.name for f in dataclasses.fields(ChatSettings))
 #   answered 200s showed as client aborts (6 of 10 in tests/metrics/test_prometheus_live.py). From the
 #   replica the codes are exact; the replica also answers HAProxy's health checks, which it books under
 #   routes beginning with "/-/", and the dashboard leaves those out (tools/monitoring/dashboard.py).
+# - RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000: a replica (and a handle's router) flushes its cached Serve metrics
+#   every second instead of every 100 ms. The ingress replica hosts the engine loop, so each flush runs on the
+#   event loop that schedules the steps; Ray's metrics agent exports every few seconds and Prometheus scrapes
+#   less often still, so no series loses detail anyone sees. With the ranks' task events off too
+#   (cluster/ray_executor.py): ITL p50 0.85x, completed req/s 1.24x, on a shared machine (docs/benchmarks.md,
+#   "Issue 42: serving latency on the CPU").
 # Serve reads them when each of its processes starts, so they are a property of the cluster: `raytp serve`
 # sets them on the Ray it starts (`use_serve_defaults`), the Helm chart on every container. Measured:
 # benchmarks/serving_profile.py, docs/benchmarks.md, "Serving hops".
@@ -65,6 +71,7 @@ SERVE_ENV_DEFAULTS = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
 
 

@@ -19,7 +19,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    """A local Ray of this module's own; its GCS address."""
+    """A local Ray of this module's own; its GCS address.
+
+    NOT for a test that shuts Ray down or leaves actors or jobs running: the module's later tests run on it."""
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

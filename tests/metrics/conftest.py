@@ -17,7 +17,10 @@ EXPORT_INTERVAL_MS = 1000
 
 @pytest.fixture(scope="module")
 def ray_metrics_port() -> Iterator[int]:
-    """A fresh local Ray (never a cluster someone else started) and its node's metrics port."""
+    """A fresh local Ray (never a cluster someone else started) and its node's metrics port, one per module.
+
+    NOT for a test that shuts Ray down or restarts it (the module's later tests would lose it), nor for reading a
+    series absolutely that an earlier test of the module also moved (take a before/after difference)."""
     if ray.is_initialized():
         ray.shutdown()
     port = free_port()

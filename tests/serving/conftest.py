@@ -1,8 +1,10 @@
-"""Fixtures the serving modules share, and the test order that lets them share.
+"""Fixtures the serving modules share.
 
 A live server costs a Ray, a Serve application and an engine (20-40 s on CI's two cores), so modules that
 need the same plain server share one (`shared_live_server`), and modules that need the same offline
 reference engine share one (`small_engine_llm`). What each may NOT be used for is in its docstring.
+tests/conftest.py makes every module that asks for either one work unit, run in one process one module after
+another, so each starts once: any other live server in between would end the shared one (one Ray per process).
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from typing import Any
 import pytest
 
 from tests.serving.live_server import SMALL_ENGINE, LiveServer, shared_server, stop_shared_server
-
-SHARED = "shared_live_server"
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +40,3 @@ def small_engine_llm() -> Iterator[Any]:
     llm = LLM(None, **SMALL_ENGINE)
     yield llm
     llm.llm_engine.shutdown()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the modules that use the shared server one after another (at the place of the first of them), so
-    it starts once: any other live server in between would end it. Whole modules move, so no module's own
-    fixtures are set up twice; the order within each module and among the rest is kept."""
-    modules = {i.module for i in items if SHARED in getattr(i, "fixturenames", ()) and hasattr(i, "module")}
-    if not modules:
-        return
-    moved = [i for i in items if getattr(i, "module", None) in modules]
-    first = next(n for n, i in enumerate(items) if getattr(i, "module", None) in modules)
-    rest = [i for i in items if getattr(i, "module", None) not in modules]
-    items[:] = rest[:first] + moved + rest[first:]

@@ -408,6 +408,26 @@ def test_every_route_without_wrong_and_right_key(server: LiveServer) -> None:
 FUZZ_EXAMPLES = 130  # per POST operation and generation mode: 4 x 2 x 130 = 1,040 cases, plus the GETs
 
 
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _without_echoes(message: str, case: Any) -> str:
+    """The message minus the request's own strings (body, path and query): a 404 that names the model the
+    fuzzer asked for ("EngineDeadError", one generated case) quotes the caller, not the server's internals."""
+    sent = [case.body if isinstance(case.body, (dict, list, str)) else None, case.path_parameters, case.query]
+    for text in sorted(_strings(sent), key=len, reverse=True):
+        if text:
+            message = message.replace(text, "")
+    return message
+
+
 def test_fuzzed_requests_from_the_openapi_spec(server: LiveServer, expected_greedy: str) -> None:
     """schemathesis generates requests from the server's own /openapi.json, valid ones (positive) and
     ones that break the schema (negative): no answer may be a 5xx, every 4xx must be OpenAI's error
@@ -432,7 +452,7 @@ def test_fuzzed_requests_from_the_openapi_spec(server: LiveServer, expected_gree
         if resp.status_code >= 400:
             err = resp.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], where
-            assert not INTERNALS.search(err["message"]), f"{where} -> {err}"
+            assert not INTERNALS.search(_without_echoes(err["message"], case)), f"{where} -> {err}"
 
     @settings(
         max_examples=FUZZ_EXAMPLES,

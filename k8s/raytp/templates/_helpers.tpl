@@ -222,6 +222,9 @@ through toJson so large integers never print in exponent form.
   value: "1"
 - name: RAY_SERVE_HAPROXY_METRICS_ENABLED
   value: "0"
+# Serve's cached replica metrics flushed every second, not every 100 ms (the flush runs on the engine's event loop).
+- name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
+  value: "1000"
 {{- end }}
 {{- if and (eq .kind "serve") $v.serving.apiKey.secretName }}
 - name: RAYTP_API_KEY
