@@ -16,6 +16,15 @@
 // batches, where the FMA units are the limit; few rows x 4 panels for a decode step of one or two
 // sequences, where the time is streaming W from memory once.
 //
+// With AVX-512, a call of 12+ rows (a prefill chunk) packs x's 12-row groups into k-major strips, so a
+// bulk tile's 12 broadcasts per k read one run of 48 bytes, and its threads claim chunks of panels one
+// at a time instead of splitting them in halves (claim_chunks). Measured on the 2-core Sapphire Rapids
+// VM (shared), one thread's CPU time, SmolLM2-135M's 121 matrices, interleaved medians of 9, against the
+// previous kernel (unpacked x, static halves) and oneDNN's packed layout: 16 rows 14.2 / 15.6 (old /
+// new) vs oneDNN 19.7 ms, 64 rows 43.0 / 41.8 vs 42.3, 256 rows 184 / 169 vs 162, 512 rows 373 / 359
+// vs 359. Tried and measured no better: 8x3 and 6x4 tiles (fewer loads per FMA: within 1% of 12x2),
+// blocking k so a pair's W stays in L1 (3-5% slower), unrolling k, prefetching 8-64 rows ahead.
+//
 // x [M, K] with a contiguous last dim, panels [G, K, 16] contiguous, out [M, N] fresh, fp32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,9 +33,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -40,14 +52,15 @@ constexpr int64_t kPanel = 16;  // output features per panel: two AVX2 vectors, 
 // Panels per parallel chunk at least: 4 panels of K=576 are 147 KB of W, ~10 us on one core.
 constexpr int64_t kGrain = 4;
 // Rows of x per block: a block (rows x K floats) is re-read for every panel, so it should stay in
-// the core's L2 (1 MB here): 96 x 1536 x 4 B = 590 KB for the widest K of SmolLM2 (down_proj).
-// 48 and 192 measured the same within noise.
+// the core's L2 (1-2 MB): 96 x 1536 x 4 B = 590 KB for the widest K of SmolLM2 (down_proj).
+// 48 and 192 measured the same within noise (Ice Lake; again with the strips on Sapphire Rapids).
 constexpr int64_t kRowBlock = 96;
 // Software prefetch of W this many k-rows (64 B each) ahead, in the tiles that are compute-bound
 // enough for the hardware prefetcher to fall behind: 6 rows, 1 panel ~20% faster than without at
 // 6-16 rows; no gain (slightly worse) in the 1-2 row, 4-panel tiles, which therefore skip it.
 constexpr int64_t kPrefetchRows = 16;
-// Panels per chunk: a thread runs every row tile of a block (the 12- or 6-row bulk, then the 1-11 row
+// Panels per chunk (AVX2, and AVX-512 under 12 rows; pick_chunk sizes the AVX-512 bulk's claimed
+// chunks): a thread runs every row tile of a block (the 12- or 6-row bulk, then the 1-11 row
 // remainder) on one chunk of W before the next, so the remainder re-reads the chunk from L2
 // (4 x 1536 x 64 B = 393 KB at most here) instead of streaming the thread's whole share of W again.
 // Measured on a 2-core Ice Lake VM, SmolLM2's 121 matrices, AVX-512, against streaming the share again
@@ -55,6 +68,10 @@ constexpr int64_t kPrefetchRows = 16;
 // 64 rows 142 -> 125; 1-12 rows (no bulk tile) and 100 (its 4 rows are a row block of their own) unchanged.
 constexpr int64_t kChunk = 4;
 constexpr int64_t kChunk3 = 6;  // for the AVX-512 remainders of 7-8 rows, 3 panels wide (2 panels: ~10% slower at 8 rows)
+// The AVX-512 bulk tile's rows, and the most floats of x packed into its strips at once (8 MB: a
+// 512-row prefill chunk at K = 4096; more rows go in slabs, one parallel region each).
+constexpr int64_t kBulkRows = 12;
+constexpr int64_t kStripFloats = int64_t{2} << 20;
 
 struct Out {
   float* ptr;      // out[row 0 of the tile, column 0 of the tile's first panel]
@@ -150,16 +167,19 @@ void block_avx2(const float* x, int64_t ldx, int64_t rows, const float* wp, int6
 
 // The same chains with 512-bit vectors where the CPU has AVX-512F (checked at run time; the file is
 // built for AVX2, these functions alone for AVX-512): a vector is a whole panel row, and the 32
-// registers hold a 12-row x 2-panel tile. Measured on this project's 2-core Zen 4 VMs against
-// oneDNN, SmolLM2-135M's 121 matrices: 1-2 rows ~1.6x faster, 16 rows even, 64 rows ~1.08x faster,
-// 256-512 rows 3-5% slower; the AVX2 tiles above lose 5-20% to oneDNN from 16 rows up.
+// registers hold a 12-row x 2-panel tile (24 accumulators, 2 loads of W and 12 broadcasts of x per k).
 //
+// `Packed`: x is a strip [k][MB] (pack_strip) instead of MB rows `ldx` apart, so the tile's broadcasts
+// read one 48-byte run per k, one stream, instead of 12 streams next to W's. The bulk 12-row tiles read
+// strips; the 1-11 row tiles (a decode step, the rows left over by the bulk) read x in place.
 // `p_stride`: floats from one of the tile's panels to the next (0: adjacent panels, k_len * 16).
+// `ahead`: NP panels the tile also fetches into L2, a line per panel per k (a chunk's next pair, while
+// its first row tile runs: ~5% at 16 rows, ~2% at 256, where W otherwise comes from L3 or DRAM).
 // Gated (NP = 2, whole panels): panel 0 is a gate panel, panel 1 its up panel, and the tile stores
 // silu(gate) * up, 16 columns per row, instead of both products (panel_linear_silu_mul).
-template <int MB, int NP, bool Gated = false>
-RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t k_len, Out out,
-                                 const float* ahead = nullptr, int64_t p_stride = 0) {
+template <int MB, int NP, bool Gated = false, bool Packed = false>
+RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t k_len, Out out, int64_t p_stride = 0,
+                                 const float* ahead = nullptr) {
   static_assert(!Gated || NP == 2, "a gated tile is one gate panel and its up panel");
   const int64_t panel_stride = p_stride != 0 ? p_stride : k_len * kPanel;
   __m512 acc[MB][NP];
@@ -168,7 +188,7 @@ RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, in
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k) {
-    if (ahead != nullptr) {  // NP panels further on, NP lines per k: all of them by the tile's end
+    if (ahead != nullptr) {  // the next NP panels, NP lines per k: all of them by the tile's end
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(ahead + p * panel_stride + k * kPanel), _MM_HINT_T1);
     }
@@ -181,7 +201,7 @@ RAYTP_AVX512 inline void tile512(const float* x, int64_t ldx, const float* w, in
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      const __m512 xb = _mm512_set1_ps(Packed ? x[k * MB + m] : x[m * ldx + k]);
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xb, wv[p], acc[m][p]);
     }
@@ -215,86 +235,171 @@ RAYTP_AVX512 void tiles512(const float* x, int64_t ldx, const float* wp, int64_t
   int64_t g = g_begin;
   for (; g + NP <= g_end; g += NP)
     tile512<MB, NP>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, n - g * kPanel});
+  if constexpr (NP > 2)  // a chunk of 6 panels in 4-wide tiles: its last two side by side
+    for (; g + 2 <= g_end; g += 2) tile512<MB, 2>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, n - g * kPanel});
   for (; g < g_end; ++g) tile512<MB, 1>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, n - g * kPanel});
 }
 
-RAYTP_AVX512 void block_avx512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len,
-                               int64_t g_begin, int64_t g_end, float* op, int64_t ldo, int64_t n) {
-  const int64_t full = rows / 12 * 12;
-  const float* xt = x + full * ldx;
-  float* ot = op + full * ldo;
-  const int64_t chunk = rows - full == 7 || rows - full == 8 ? kChunk3 : kChunk;
-  for (int64_t c = g_begin; c < g_end; c += chunk) {
-    const int64_t c_end = std::min(c + chunk, g_end);
-    int64_t g = c;
-    for (; g + 2 <= c_end; g += 2) {
-      // The first row tile on a pair of panels also fetches the thread's next pair into L2, so the
-      // tiles never wait on memory for W (a decode step's W comes from DRAM, a prefill's from L3).
-      const float* ahead = g + 4 <= g_end ? wp + (g + 2) * k_len * kPanel : nullptr;
-      for (int64_t m = 0; m < full; m += 12, ahead = nullptr)
-        tile512<12, 2>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel}, ahead);
-    }
-    for (; g < c_end; ++g)
-      for (int64_t m = 0; m < full; m += 12)
-        tile512<12, 1>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel});
-    // The remaining 1-11 rows, on the chunk's panels while they are in L2: as many panels side by side
-    // as keep ~8+ chains within 32 registers, and a divisor of the chunk so none ends in a 1-panel tile.
-    switch (rows - full) {
-      case 1: tiles512<1, 4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 2: tiles512<2, 4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 3: tiles512<3, 4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 4: tiles512<4, 4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 5: tiles512<5, 4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 6: tiles512<6, 4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 7: tiles512<7, 3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 8: tiles512<8, 3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 9: tiles512<9, 2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 10: tiles512<10, 2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      case 11: tiles512<11, 2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, n); break;
-      default: break;
-    }
+// 1-11 rows against panels [c, c_end): as many panels side by side as keep ~8+ chains within 32
+// registers, and a divisor of the chunk (4, 6 or 12 panels) so none ends in a 1-panel tile.
+RAYTP_AVX512 void few_rows512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len, int64_t c,
+                              int64_t c_end, float* op, int64_t ldo, int64_t n) {
+  switch (rows) {
+    case 1: tiles512<1, 4>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 2: tiles512<2, 4>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 3: tiles512<3, 4>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 4: tiles512<4, 4>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 5: tiles512<5, 4>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 6: tiles512<6, 4>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 7: tiles512<7, 3>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 8: tiles512<8, 3>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 9: tiles512<9, 2>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 10: tiles512<10, 2>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    case 11: tiles512<11, 2>(x, ldx, wp, k_len, c, c_end, op, ldo, n); break;
+    default: break;
   }
 }
 
-// panel_linear_silu_mul's tiles: MB rows against gate panels [g_begin, g_end), each with its up panel
-// `half` panels further on.
+// A decode step or any call of under 12 rows: the thread's panels in chunks of 4 (6 for 7-8 rows).
+RAYTP_AVX512 void few_rows_block512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len,
+                                    int64_t g_begin, int64_t g_end, float* op, int64_t ldo, int64_t n) {
+  const int64_t chunk = rows == 7 || rows == 8 ? kChunk3 : kChunk;
+  for (int64_t c = g_begin; c < g_end; c += chunk)
+    few_rows512(x, ldx, rows, wp, k_len, c, std::min(c + chunk, g_end), op, ldo, n);
+}
+
+// x's 12-row groups packed into strips [K][12] on first use, inside the one parallel region of the call:
+// the first tile that needs group t claims it (compare-and-swap) and packs it; a tile that finds it
+// claimed but not yet packed reads x in place instead (the same chain, the same bits), so no thread ever
+// waits for another (a separate packing region first measured ~40% more process CPU than the old kernel
+// on the loaded machine, 2 threads, 256 rows: its barrier spins whenever the other thread is descheduled).
+struct Strips {
+  const float* x;
+  int64_t ldx, k_len;
+  float* buf;  // [groups][K][12]
+  int* state;  // per group: 0 unpacked, 1 being packed, 2 ready
+
+  const float* get(int64_t t) const {
+    float* d = buf + t * k_len * kBulkRows;
+    const int s = __atomic_load_n(&state[t], __ATOMIC_ACQUIRE);
+    if (s == 2) return d;
+    int expected = 0;
+    if (s != 0 || !__atomic_compare_exchange_n(&state[t], &expected, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) return nullptr;
+    const float* xr = x + t * kBulkRows * ldx;
+    for (int64_t k = 0; k < k_len; ++k)
+#pragma GCC unroll 12
+      for (int64_t m = 0; m < kBulkRows; ++m) d[k * kBulkRows + m] = xr[m * ldx + k];
+    __atomic_store_n(&state[t], 2, __ATOMIC_RELEASE);
+    return d;
+  }
+};
+
+// A 12-row tile of the bulk on group m / 12's strip, or on x in place while another thread packs it.
+template <int NP, bool Gated = false>
+RAYTP_AVX512 inline void bulk_tile512(const Strips& xs, int64_t m, const float* w, int64_t k_len, Out out, int64_t p_stride = 0,
+                                      const float* ahead = nullptr) {
+  if (const float* strip = xs.get(m / kBulkRows))
+    tile512<kBulkRows, NP, Gated, true>(strip, 0, w, k_len, out, p_stride, ahead);
+  else
+    tile512<kBulkRows, NP, Gated>(xs.x + m * xs.ldx, xs.ldx, w, k_len, out, p_stride, ahead);
+}
+
+// One claimed chunk of panels [c, c_end) for every row of the call: per row block, 12-row tiles on x's
+// strips (a pair of panels at a time, the pair's W re-read from L2 by each row tile), then the 1-11
+// rows left over, on the chunk's panels while they are in L2.
+RAYTP_AVX512 void chunk512(const Strips& xs, int64_t rows, const float* wp, int64_t k_len, int64_t c, int64_t c_end,
+                           float* op, int64_t ldo, int64_t n) {
+  const int64_t full = rows / kBulkRows * kBulkRows;
+  for (int64_t m0 = 0; m0 < full; m0 += kRowBlock) {
+    const int64_t m1 = std::min(m0 + kRowBlock, full);
+    int64_t g = c;
+    for (; g + 2 <= c_end; g += 2)
+      for (int64_t m = m0; m < m1; m += kBulkRows)
+        bulk_tile512<2>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel}, 0,
+                        m == 0 && g + 4 <= c_end ? wp + (g + 2) * k_len * kPanel : nullptr);
+    for (; g < c_end; ++g)
+      for (int64_t m = m0; m < m1; m += kBulkRows)
+        bulk_tile512<1>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel});
+  }
+  few_rows512(xs.x + full * xs.ldx, xs.ldx, rows - full, wp, k_len, c, c_end, op + full * ldo, ldo, n);
+}
+
+// panel_linear_silu_mul's chunk512: 12-row gated tiles on x's strips, one gate panel (and its up panel
+// `half` panels further on) at a time, then the 1-11 rows left over with x read in place.
 template <int MB>
 RAYTP_AVX512 void gated_tiles512(const float* x, int64_t ldx, const float* wp, int64_t k_len, int64_t g_begin,
                                  int64_t g_end, float* op, int64_t ldo, int64_t half) {
   for (int64_t g = g_begin; g < g_end; ++g)
-    tile512<MB, 2, true>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, kPanel}, nullptr,
-                         half * k_len * kPanel);
+    tile512<MB, 2, true>(x, ldx, wp + g * k_len * kPanel, k_len, {op + g * kPanel, ldo, kPanel}, half * k_len * kPanel);
 }
 
-// block_avx512's loop for gated tiles: 12-row tiles (the first on each panel prefetching the next gate
-// and up panels), then the 1-11 remaining rows on the chunk's panels while they are in L2.
-RAYTP_AVX512 void gated_block_avx512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k_len,
-                                     int64_t g_begin, int64_t g_end, float* op, int64_t ldo, int64_t half) {
-  const int64_t full = rows / 12 * 12;
-  for (int64_t c = g_begin; c < g_end; c += kChunk) {
-    const int64_t c_end = std::min(c + kChunk, g_end);
-    for (int64_t g = c; g < c_end; ++g) {
-      const float* ahead = g + 1 < g_end ? wp + (g + 1) * k_len * kPanel : nullptr;
-      for (int64_t m = 0; m < full; m += 12, ahead = nullptr)
-        tile512<12, 2, true>(x + m * ldx, ldx, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, kPanel},
-                             ahead, half * k_len * kPanel);
-    }
-    const float* xt = x + full * ldx;
-    float* ot = op + full * ldo;
-    switch (rows - full) {
-      case 1: gated_tiles512<1>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 2: gated_tiles512<2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 3: gated_tiles512<3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 4: gated_tiles512<4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 5: gated_tiles512<5>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 6: gated_tiles512<6>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 7: gated_tiles512<7>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 8: gated_tiles512<8>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 9: gated_tiles512<9>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 10: gated_tiles512<10>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      case 11: gated_tiles512<11>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
-      default: break;
-    }
+RAYTP_AVX512 void gated_chunk512(const Strips& xs, int64_t rows, const float* wp, int64_t k_len, int64_t c, int64_t c_end,
+                                 float* op, int64_t ldo, int64_t half) {
+  const int64_t full = rows / kBulkRows * kBulkRows;
+  for (int64_t m0 = 0; m0 < full; m0 += kRowBlock)
+    for (int64_t g = c; g < c_end; ++g)
+      for (int64_t m = m0; m < std::min(m0 + kRowBlock, full); m += kBulkRows)
+        bulk_tile512<2, true>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, kPanel}, half * k_len * kPanel);
+  const float* xt = xs.x + full * xs.ldx;
+  const int64_t ldx = xs.ldx;
+  float* ot = op + full * ldo;
+  switch (rows - full) {
+    case 1: gated_tiles512<1>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 2: gated_tiles512<2>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 3: gated_tiles512<3>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 4: gated_tiles512<4>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 5: gated_tiles512<5>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 6: gated_tiles512<6>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 7: gated_tiles512<7>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 8: gated_tiles512<8>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 9: gated_tiles512<9>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 10: gated_tiles512<10>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    case 11: gated_tiles512<11>(xt, ldx, wp, k_len, c, c_end, ot, ldo, half); break;
+    default: break;
+  }
+}
+
+// The chunk size for `groups` panels: the first of `sizes` that gives every thread the same number of
+// chunks, at least 3 each (balanced when no other process takes a core, fine-grained when one does).
+int64_t pick_chunk(int64_t groups, std::initializer_list<int64_t> sizes) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  for (const int64_t c : sizes) {
+    const int64_t n = (groups + c - 1) / c;
+    if (n >= 3 * threads && n % threads == 0) return c;
+  }
+  return *(sizes.end() - 1);
+}
+
+// fn(c, c_end) for the chunks of [0, groups), each claimed by whichever thread is free next (one
+// parallel region, an atomic counter). A static split in halves leaves one thread idle at the end of
+// every call whenever another process (the serving tree's ingress, Ray's daemons) takes the other's
+// core for a few ms; claiming lets the free thread take the rest. Which thread runs a chunk never
+// changes what it computes: every element is still one chain, in one tile.
+template <typename Fn>
+void claim_chunks(int64_t groups, int64_t chunk, const Fn& fn) {
+  const int64_t n = (groups + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(c * chunk, std::min(groups, c * chunk + chunk));
+  });
+}
+
+// Calls of 12+ rows with AVX-512: the panels' chunks claimed one by one, chunk_fn(strips, rows, c, c_end,
+// row0) running every row of the slab on its chunk. Rows go in slabs of at most kStripFloats of strips,
+// so the calling thread's buffers (kept between calls: no page faults per call) stay bounded.
+template <typename ChunkFn>
+void bulk512(const float* x, int64_t ldx, int64_t rows, int64_t k_len, int64_t groups, int64_t chunk, const ChunkFn& chunk_fn) {
+  static thread_local std::vector<float> buf;
+  static thread_local std::vector<int> state;
+  const int64_t slab = std::max<int64_t>(1, kStripFloats / (k_len * kBulkRows)) * kBulkRows;
+  for (int64_t m0 = 0; m0 < rows; m0 += slab) {
+    const int64_t mrows = std::min(slab, rows - m0), groups12 = mrows / kBulkRows;
+    if (static_cast<int64_t>(buf.size()) < groups12 * k_len * kBulkRows) buf.resize(groups12 * k_len * kBulkRows);
+    state.assign(groups12, 0);
+    // The caller's buffers, named here: inside the region `buf` and `state` would be the worker's own.
+    const Strips strips{x + m0 * ldx, ldx, k_len, buf.data(), state.data()};
+    claim_chunks(groups, chunk, [&](int64_t c, int64_t c_end) { chunk_fn(strips, mrows, c, c_end, m0); });
   }
 }
 
@@ -329,7 +434,17 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Threads split the panels (each reads only its share of W); inside, row blocks keep x in L2.
+#if defined(__AVX2__) && defined(__FMA__)
+  if (use_avx512() && rows >= kBulkRows) {
+    bulk512(xp, ldx, rows, k_len, groups, pick_chunk(groups, {12, 6, 4, 2}),
+            [&](const Strips& xs, int64_t mrows, int64_t c, int64_t c_end, int64_t m0) {
+              chunk512(xs, mrows, wp, k_len, c, c_end, op + m0 * out_features, out_features, out_features);
+            });
+    return out;
+  }
+#endif
+  // Under 12 rows (or without AVX-512) threads split the panels in halves, each streaming only its
+  // share of W (a decode step's time); inside, row blocks keep x in L2.
   at::parallel_for(0, groups, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
       const int64_t mrows = std::min(kRowBlock, rows - m0);
@@ -337,7 +452,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
       float* ob = op + m0 * out_features;
 #if defined(__AVX2__) && defined(__FMA__)
       if (use_avx512())
-        block_avx512(xb, ldx, mrows, wp, k_len, begin, end, ob, out_features, out_features);
+        few_rows_block512(xb, ldx, mrows, wp, k_len, begin, end, ob, out_features, out_features);
       else
         block_avx2(xb, ldx, mrows, wp, k_len, begin, end, ob, out_features, out_features);
 #else
@@ -383,11 +498,16 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, 
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, half, kGrain / 2, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock)
-      gated_block_avx512(xp + m0 * ldx, ldx, std::min(kRowBlock, rows - m0), wp, k_len, begin, end, op + m0 * out_features,
-                         out_features, half);
-  });
+  if (rows >= kBulkRows) {
+    bulk512(xp, ldx, rows, k_len, half, pick_chunk(half, {6, 4, 2, 1}),
+            [&](const Strips& xs, int64_t mrows, int64_t c, int64_t c_end, int64_t m0) {
+              gated_chunk512(xs, mrows, wp, k_len, c, c_end, op + m0 * out_features, out_features, half);
+            });
+  } else {
+    at::parallel_for(0, half, kGrain / 2, [&](int64_t begin, int64_t end) {
+      gated_chunk512({xp, ldx, k_len, nullptr, nullptr}, rows, wp, k_len, begin, end, op, out_features, half);
+    });
+  }
   return out;
 #else
   TORCH_CHECK(false, "panel_linear_silu_mul needs the AVX2 build");

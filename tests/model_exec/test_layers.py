@@ -333,6 +333,28 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(tmp_path: Path) -> None:
     assert torch.equal(torch.load(paths["avx2"]), whole)
 
 
+@pytest.mark.parametrize(("out_features", "in_features", "rows"), [(200, 576, 230), (40, 4096, 530)])
+def test_panel_linear_bulk_rows_equal_one_row_calls(out_features: int, in_features: int, rows: int) -> None:
+    """The many-row road (AVX-512: x packed into 12-row strips, chunks of panels claimed by the threads,
+    rows in slabs past 2M floats of x: 530 x 4096) has the bits of one-row calls, which take the
+    decode tiles: the FMA chains, not the tiling, fix every bit. Strided rows, as a norm's output is not."""
+    from model_exec.layers import cpu_gemm
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    if not cpu_gemm.can_use_panels(weight):
+        pytest.skip("the panel kernel needs the C++ kernels built with AVX2")
+    panels = cpu_gemm.pack_panels(weight)
+    x = torch.randn(rows, in_features + 8, generator=gen)[:, 5 : 5 + in_features]
+    whole = cpu_gemm.panel_linear(x, panels, out_features, None)
+    one_by_one = torch.cat([cpu_gemm.panel_linear(x[r : r + 1], panels, out_features, None) for r in range(rows)])
+    assert torch.equal(whole, one_by_one)
+    gate_up = cpu_gemm.pack_panels(torch.cat([weight[:16], weight[-16:]]))  # one gate panel, one up panel
+    gated = cpu_gemm.panel_linear_silu_mul(x, gate_up, 16)
+    for r in (0, 11, 12, rows - 1):
+        assert torch.equal(gated[r : r + 1], cpu_gemm.panel_linear_silu_mul(x[r : r + 1], gate_up, 16)), r
+
+
 _GATED_SCRIPT = """
 import sys, torch
 from model_exec.layers import cpu_gemm
