@@ -173,8 +173,8 @@ void block_avx2(const float* x, int64_t ldx, int64_t rows, const float* wp, int6
 // read one 48-byte run per k, one stream, instead of 12 streams next to W's. The bulk 12-row tiles read
 // strips; the 1-11 row tiles (a decode step, the rows left over by the bulk) read x in place.
 // `p_stride`: floats from one of the tile's panels to the next (0: adjacent panels, k_len * 16).
-// `ahead`: NP panels the tile also fetches into L2, a line per panel per k (a chunk's next pair, while
-// its first row tile runs: ~5% at 16 rows, ~2% at 256, where W otherwise comes from L3 or DRAM).
+// `ahead`: NP panels the tile also fetches into L2, a line per panel per k (the next pair, in this
+// chunk or the next, while its first row tile runs: ~5% at 16 rows, ~2% at 256, where W otherwise comes from L3 or DRAM).
 // Gated (NP = 2, whole panels): panel 0 is a gate panel, panel 1 its up panel, and the tile stores
 // silu(gate) * up, 16 columns per row, instead of both products (panel_linear_silu_mul).
 template <int MB, int NP, bool Gated = false, bool Packed = false>
@@ -316,7 +316,7 @@ RAYTP_AVX512 void chunk512(const Strips& xs, int64_t rows, const float* wp, int6
     for (; g + 2 <= c_end; g += 2)
       for (int64_t m = m0; m < m1; m += kBulkRows)
         bulk_tile512<2>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel}, 0,
-                        m == 0 && g + 4 <= c_end ? wp + (g + 2) * k_len * kPanel : nullptr);
+                        m == 0 && (g + 4) * kPanel < n + kPanel ? wp + (g + 2) * k_len * kPanel : nullptr);
     for (; g < c_end; ++g)
       for (int64_t m = m0; m < m1; m += kBulkRows)
         bulk_tile512<1>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, n - g * kPanel});
