@@ -10,17 +10,32 @@ across several panels for a decode step of one or two sequences, where the time 
 weight once and the panel layout makes that one sequential read. Every output element is one FMA
 chain over the input features in order, whatever the batch, so a row's result does not depend on
 how many rows share its step (the batch jobs' byte-identical re-runs rely on that, tests/batch).
-Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), one pass, ms: medians of 6
+With AVX-512, a call of 12+ rows packs x into 12-row k-major strips and its threads claim chunks of
+panels one at a time (robust to another process taking a core for a few ms); fewer rows keep the
+decode tiles and the static split. Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), one pass, ms: medians of 6
 rounds of a scratch script that alternated the two kernels round by round (1-6 rows in one run,
-16-512 in another); `python -m benchmarks.gemm_bench --tokens 1 2 6 16 64 256 512 --skip-dense`
-prints the same comparison, one kernel after the other:
+16-512 in another), on this project's Zen 4 VMs, with the kernel before x was packed into strips (not
+re-measured there since):
 
     rows       1     2     6    16    64   256   512
     oneDNN   30.4  31.5  25.9  38.3  112   393   771
     panels   18.5  18.0  24.4  38.8  104   404   823
 
-The bulk tiles use AVX-512 where the CPU has it (these Zen 4 VMs do) and AVX2 otherwise, with the
-same bits; on AVX2 alone they are 5-20% slower than oneDNN from 16 rows up.
+On the 2-core Sapphire Rapids VM (AVX-512, no AMX), one thread's CPU time (the machine was shared,
+load average 4-8: a thread's CPU time is the figure that holds), medians of 9 interleaved rounds,
+`python -m benchmarks.gemm_bench --tokens 1 2 6 16 64 256 512 --skip-dense --threads 1 --cpu-time
+--baseline main` (main: the kernel before the strips and the claimed chunks):
+
+    rows        1     2     6    16    64   256   512
+    oneDNN    46.6  49.6  57.0  74.9  154   579   1033   (min 256: 501, 512: 993)
+    main      35.3  38.5  37.8  49.8  144   606   1146   (min 581, 1134)
+    panels    35.7  38.8  38.1  50.6  137   549   1069   (min 523, 1059)
+
+so from 256 rows up the panels are still 3-7% behind oneDNN on one Intel core; the served, two-thread
+figure is `python -m benchmarks.gemm_bench --tokens 1 16 64 256 512 --skip-dense` on the idle machine.
+
+The bulk tiles use AVX-512 where the CPU has it and AVX2 otherwise, with the same bits; on AVX2 alone
+they are 5-20% slower than oneDNN from 16 rows up.
 
 **oneDNN** (`cpu_panel_gemm=False`, or the panel kernel not built): the weight reordered once into
 oneDNN's blocked layout. The packing hint (batch size) is left unset: measured, it is the best

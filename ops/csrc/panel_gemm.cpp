@@ -19,11 +19,13 @@
 // With AVX-512, a call of 12+ rows (a prefill chunk) packs x's 12-row groups into k-major strips, so a
 // bulk tile's 12 broadcasts per k read one run of 48 bytes, and its threads claim chunks of panels one
 // at a time instead of splitting them in halves (claim_chunks). Measured on the 2-core Sapphire Rapids
-// VM (shared), one thread's CPU time, SmolLM2-135M's 121 matrices, interleaved medians of 9, against the
-// previous kernel (unpacked x, static halves) and oneDNN's packed layout: 16 rows 14.2 / 15.6 (old /
-// new) vs oneDNN 19.7 ms, 64 rows 43.0 / 41.8 vs 42.3, 256 rows 184 / 169 vs 162, 512 rows 373 / 359
-// vs 359. Tried and measured no better: 8x3 and 6x4 tiles (fewer loads per FMA: within 1% of 12x2),
-// blocking k so a pair's W stays in L1 (3-5% slower), unrolling k, prefetching 8-64 rows ahead.
+// VM (shared: one thread's CPU time), SmolLM2-135M's 121 matrices, medians of 9 interleaved rounds, ms,
+// previous kernel (unpacked x, static halves) / this one / oneDNN's packed layout: 16 rows 49.8 / 50.6 /
+// 74.9, 64 rows 144 / 137 / 154, 256 rows 606 / 549 / 579 (minima 581 / 523 / 501), 512 rows 1146 /
+// 1069 / 1033 (minima 1134 / 1059 / 993); 1-6 rows unchanged. So still 3-7% behind oneDNN on one
+// core from 256 rows. Tried and measured no better (one thread, 192 rows): 8x3 and 6x4 tiles (fewer
+// loads per FMA: within 1% of 12x2), blocking k so a pair's W stays in L1 (3-5% slower), unrolling k,
+// prefetching 8-64 rows ahead instead of 16, row blocks of 48 or 192 (within noise of 96).
 //
 // x [M, K] with a contiguous last dim, panels [G, K, 16] contiguous, out [M, N] fresh, fp32.
 #include <ATen/Parallel.h>
