@@ -12,7 +12,9 @@ chain over the input features in order, whatever the batch, so a row's result do
 how many rows share its step (the batch jobs' byte-identical re-runs rely on that, tests/batch).
 With AVX-512, a call of 12+ rows packs x into 12-row k-major strips and its threads claim chunks of
 panels one at a time (robust to another process taking a core for a few ms); fewer rows keep the
-decode tiles and the static split. Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), one pass, ms: medians of 6
+decode tiles and the static split.
+
+Measured on 2 cores, SmolLM2-135M's 121 matrices (layers and LM head), one pass, ms: medians of 6
 rounds of a scratch script that alternated the two kernels round by round (1-6 rows in one run,
 16-512 in another), on this project's Zen 4 VMs, with the kernel before x was packed into strips (not
 re-measured there since):
