@@ -341,7 +341,8 @@ RAYTP_AVX512 void gated_chunk512(const Strips& xs, int64_t rows, const float* wp
   for (int64_t m0 = 0; m0 < full; m0 += kRowBlock)
     for (int64_t g = c; g < c_end; ++g)
       for (int64_t m = m0; m < std::min(m0 + kRowBlock, full); m += kBulkRows)
-        bulk_tile512<2, true>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, kPanel}, half * k_len * kPanel);
+        bulk_tile512<2, true>(xs, m, wp + g * k_len * kPanel, k_len, {op + m * ldo + g * kPanel, ldo, kPanel}, half * k_len * kPanel,
+                              m == 0 && g + 1 < half ? wp + (g + 1) * k_len * kPanel : nullptr);  // the next gate and up panels
   const float* xt = xs.x + full * xs.ldx;
   const int64_t ldx = xs.ldx;
   float* ot = op + full * ldo;
