@@ -24,6 +24,7 @@ from model_exec.layers.quantization import scope as quantization_scope
 from model_exec.layers.quantization.select import select_quantization
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
+from model_exec.step_launch import LaunchedStep
 from model_exec.models import CausalLM, build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
@@ -271,6 +272,17 @@ class ModelShard:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""
         assert self.cache is not None, "init_cache first"
+        self._move_blocks(so)
+        return self.runner.execute(so, self.cache.device_caches)
+
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """`execute` in two halves (model_exec/step_launch.py): the block moves and the step are enqueued;
+        the returned step's `resolve` gives the output."""
+        assert self.cache is not None, "init_cache first"
+        self._move_blocks(so)
+        return self.runner.launch(so, self.cache.device_caches)
+
+    def _move_blocks(self, so: SchedulerOutput) -> None:
         # Order matters: swap-out reads blocks that the same step may hand to others.
         for cache in (self.cache, self.draft_cache):  # one block id names a block in both pools
             if cache is None:
@@ -281,7 +293,6 @@ class ModelShard:
                 cache.swap_in(so.blocks_to_swap_in)
             if so.blocks_to_copy:
                 cache.copy(so.blocks_to_copy)
-        return self.runner.execute(so, self.cache.device_caches)
 
     def shutdown(self) -> None:
         self.tp.destroy()
