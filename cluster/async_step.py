@@ -50,6 +50,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceGroup
 
+
 @dataclass
 class StepHandle:
     """A started step: `ready` completes when `result()` no longer waits for the workers; `result` gives the

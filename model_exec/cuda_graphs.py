@@ -162,9 +162,7 @@ class DecodeGraphs:
             used / 2**30,
         )
 
-    def run(
-        self, inputs: DecodeInputs, fill_ids: Callable[[torch.Tensor], None] | None = None
-    ) -> torch.Tensor | None:
+    def run(self, inputs: DecodeInputs, fill_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Hidden states [bucket, hidden] of the padded batch (rows past inputs.num_rows are padding), or
         None when this batch has no graph (too many rows, or a block table wider than the buffers).
         fill_ids: writes ids the host does not know into the graph's input ids, on the device, before the

@@ -72,9 +72,9 @@ def sample_on_device(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetad
             tokens = greedy
         else:
             tokens[rows_t] = greedy
-    for part in plan.sampled.chunks(_chunk_rows(x)):
-        drawn = sampler.race(x, x is not logits, meta, part)
-        tokens[torch.tensor(part.rows, device=device)] = drawn
+    for rows in plan.sampled.chunks(_chunk_rows(x)):
+        drawn = sampler.race(x, x is not logits, meta, rows)
+        tokens[torch.tensor(rows.rows, device=device)] = drawn
     # _raw_logprobs with one draw per row, chunked as there (a row's log_softmax never depends on its chunk)
     size = _chunk_rows(logits)
     delta_parts: list[torch.Tensor] = []

@@ -17,6 +17,10 @@ rank's LoRA context around the forward (model_exec/lora/context.py).
 On CUDA the host inputs travel as pinned, non-blocking copies (the host never waits for them), and a
 pure-decode step replays the CUDA graph of its batch-size bucket when graphs are attached
 (`model_exec/cuda_graphs.py`). On the CPU the "copies" are the host tensors themselves.
+
+`execute` runs a step whole (the synchronous road, the step thread, every TP rank); `launch` splits it for the
+in-process executor's asynchronous step: enqueue now, resolve later, the samples kept on the device
+(model_exec/step_launch.py).
 """
 
 from __future__ import annotations

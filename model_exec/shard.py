@@ -24,7 +24,6 @@ from model_exec.layers.quantization import scope as quantization_scope
 from model_exec.layers.quantization.select import select_quantization
 from model_exec.lora.manager import LoRAManager
 from model_exec.model_runner import ModelRunner, profile_forward
-from model_exec.step_launch import LaunchedStep
 from model_exec.models import CausalLM, build_model, pack_weights
 from model_exec.models.loading import CheckpointLoader
 from model_exec.parallel import TPGroup, init_tp_group
@@ -32,6 +31,7 @@ from model_exec.pooler import Pooler
 from model_exec.pooling_model import build_pooling_model
 from model_exec.shard_config import DraftSpec, ShardConfig
 from model_exec.source import ModelSource, resolve_model
+from model_exec.step_launch import LaunchedStep
 from model_exec.warmup import warm_up_decode
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend, pick_backend

@@ -80,20 +80,24 @@ class LaunchedStep:
             self._device = None  # the device tensors may go
         output = self._output
         for seq_id, state, index in self.sampled:
-            sample = output.samples.get(seq_id)
+            got = output.samples.get(seq_id)
             tokens = state.output_token_ids
-            if sample is not None and index < len(tokens) and tokens[index] == PLACEHOLDER_TOKEN:
-                tokens[index] = sample.token_ids[0]
+            if got is not None and index < len(tokens) and tokens[index] == PLACEHOLDER_TOKEN:
+                tokens[index] = got.token_ids[0]
         return output
 
 
-def launch_step(runner: ModelRunner, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LaunchedStep:
+def launch_step(
+    runner: ModelRunner, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> LaunchedStep:
     """`ModelRunner.launch`: enqueue the step, keep its samples on the device, start their readback."""
     with torch.inference_mode():
         return _launch(runner, so, kv_caches)
 
 
-def _launch(runner: ModelRunner, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LaunchedStep:
+def _launch(
+    runner: ModelRunner, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> LaunchedStep:
     assert runner.tp.world_size == 1, "the launched step runs on a one-rank group (the in-process executor)"
     rows, placeheld = runner._apply_deltas(so)
     prev = runner.last_launch

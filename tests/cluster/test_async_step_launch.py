@@ -168,7 +168,8 @@ def test_the_next_step_reads_the_sampled_ids_on_the_device_before_the_host_has_t
             while True:
                 ready = next(steps)
                 in_flight = e.pipeline.in_flight
-                if waits < 3 and in_flight is not None and not ready.done():
+                # the step the host waits for, while its copy has not run (a host fill may have waited for it)
+                if waits < 3 and in_flight is not None and not in_flight.handle.result.__self__.done():
                     # the resolve of the step the host waits for blocks on its event, not before
                     waits += 1
                     resolver = threading.Thread(target=in_flight.handle.result)
