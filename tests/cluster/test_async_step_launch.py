@@ -14,6 +14,7 @@ The whole async matrix on this road: tests/cluster/test_async_step.py (its "laun
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import tempfile
@@ -259,3 +260,49 @@ def test_the_road_is_chosen_on_cuda_only() -> None:
     assert e.config.device == "cpu" and e.executor.step_launcher() is None
     assert e.pipeline is not None and e.pipeline.submit != e.executor.launch_model  # the step thread
     e.shutdown()
+
+
+@pytest.mark.parametrize("enable_lora", [False, True])
+def test_the_serving_loop_keeps_the_launch_road_unless_lora_is_on(
+    monkeypatch: pytest.MonkeyPatch, enable_lora: bool
+) -> None:
+    """The serving loop (cluster/controller.py EngineLoop) streams concurrent requests through the launched step,
+    its outputs the synchronous engine's; with LoRA on it takes its step thread (LoRA loads run there)."""
+    from cluster.controller import EngineLoop
+
+    monkeypatch.setattr(InProcessExecutor, "step_launcher", lambda self: self.launch_model)
+    params = PARAMS[:3]
+    sync = engine(False, False)
+    add(sync, params)
+    want: dict[str, list[Any]] = {}
+    while sync.has_unfinished_requests():
+        collect(sync.step(), want)
+    sync.shutdown()
+    config = EngineConfig(
+        model=_model(),
+        num_gpu_blocks_override=256,
+        block_size=16,
+        async_scheduling=True,
+        distributed_executor_backend="inprocess",
+        disable_log_stats=True,
+        enable_lora=enable_lora,
+        max_lora_rank=8,
+    )
+    loop = EngineLoop(config)
+    launched = loop.engine.pipeline is not None and loop.engine.pipeline.submit == loop.engine.executor.launch_model
+    assert launched is not enable_lora
+
+    async def serve() -> dict[str, list[Any]]:
+        async def one(i: int, prompt: list[int], sp: SamplingParams) -> list[Any]:
+            return [d async for d in loop.generate(f"r{i}", prompt, sp)]
+
+        streams = await asyncio.gather(
+            *(one(i, p, sp) for i, (p, sp) in enumerate(zip(tiny_prompts(len(params)), params, strict=True)))
+        )
+        await loop.shutdown()
+        got: dict[str, list[Any]] = {}
+        for deltas in streams:
+            collect(deltas, got)
+        return got
+
+    assert asyncio.run(serve()) == want
