@@ -16,10 +16,10 @@ load (default 1 req/s), and reports:
   phase of its step: input preparation, forward, sampler, the rest (`print_phases`).
 
 The engine-side figures come from Ray's exported histograms (sum / count deltas around the load),
-so they are means, not percentiles, and coarse ones: Ray's OpenTelemetry recorder re-records each
-observation at its bucket's midpoint (`open_telemetry_metric_recorder._histogram_bucket_midpoints`),
-so an exported sum is off by up to half a bucket per observation (seen: engine TTFT ~0.9 s above the
-client's, ITL ~5% above). Differences smaller than the buckets' widths are not measured here.
+so they are means, not percentiles. Ray's OpenTelemetry recorder re-records each observation at its
+bucket's midpoint (`open_telemetry_metric_recorder._histogram_bucket_midpoints`), so a histogram's own
+sum is off by up to half a bucket per observation (seen: engine TTFT ~0.9 s above the client's); the
+sums used here are raytp's exact ones (`<histogram>_sum_exact_total`, counters of the observed values).
 
     python -m benchmarks.serving_profile [--request-rate 1 --num-prompts 24] [--py-spy]
 """
@@ -57,10 +57,13 @@ METRICS_EXPORT_WAIT_S = 15.0  # Ray's metrics agent re-exports every few seconds
 
 
 def histogram_sums(base_url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each engine histogram in _HISTOGRAMS, summed over label sets."""
+    """(sum, count) of each engine histogram in _HISTOGRAMS, summed over label sets. The sum is the exact one
+    where raytp exports it beside the histogram (`<name>_sum_exact_total`, a counter of the observed values),
+    else the histogram's own `_sum`, which Ray re-records at bucket midpoints (see the module note)."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, list[float]] = {h: [0.0, 0.0] for h in _HISTOGRAMS}
+    exact: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for h in _HISTOGRAMS:
             if family.name.endswith("raytp_" + h):
@@ -69,7 +72,9 @@ def histogram_sums(base_url: str) -> dict[str, tuple[float, float]]:
                         out[h][0] += s.value
                     elif s.name.endswith("_count"):
                         out[h][1] += s.value
-    return {h: (v[0], v[1]) for h, v in out.items()}
+            elif family.name.endswith("raytp_" + h + "_sum_exact"):
+                exact[h] = exact.get(h, 0.0) + sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return {h: (exact.get(h, v[0]), v[1]) for h, v in out.items()}
 
 
 def role(pid: int) -> str:

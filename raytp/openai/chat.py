@@ -142,6 +142,10 @@ class ChatHandler(ModelsHandler):
                     if not deltas and (lp is not None or u.finish_reason is not None):
                         # logprobs of text held back (a possible tag) still go out with their tokens
                         deltas = [{"content": ""} if lp is not None else {}]
+                    elif not deltas and u.token_ids and parser.plain:
+                        # a token whose text is held back (incomplete UTF-8, a possible stop string) is still
+                        # a chunk of empty content, as vLLM streams it; behind a parser nothing goes out
+                        deltas = [{"content": ""}]
                     for k, d in enumerate(deltas):
                         last = k == len(deltas) - 1
                         yield chunk(

@@ -21,6 +21,11 @@ class SampleParser:
         self._tools = ToolCallStream(tools, max_calls) if tools is not None else None
 
     @property
+    def plain(self) -> bool:
+        """No reasoning or tool parser: every token's text is content as it comes."""
+        return self._reasoning is None and self._tools is None
+
+    @property
     def has_tool_calls(self) -> bool:
         return self._tools is not None and self._tools.has_tool_calls
 

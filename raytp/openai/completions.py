@@ -146,7 +146,10 @@ class CompletionHandler(ModelsHandler):
                         off = offsets[(pi, u.index)]
                         lp = completion_logprobs(u.token_ids, u.logprobs, req.logprobs, off, ctx.decode_token)
                         offsets[(pi, u.index)] = off + sum(len(t) for t in lp.tokens)
-                    if u.text or u.finish_reason is not None or lp is not None:
+                    # One chunk per step that gave the sample tokens, its text empty while held back (an
+                    # incomplete UTF-8 sequence, a possible stop string), as vLLM's server streams: a client
+                    # timing its first token (`vllm bench serve`) sees it when it is sampled.
+                    if u.text or u.token_ids or u.finish_reason is not None or lp is not None:
                         yield chunk(pi * req.n + u.index, u.text, lp, u.finish_reason, u.stop_reason)
             if include_usage:
                 usage = UsageInfo.of(sum(len(s.prompt_token_ids) for s in streams), completion_tokens)

@@ -185,8 +185,23 @@ def test_stop_strings_streamed_and_not(server: LiveServer, llm: LLM) -> None:
     assert streamed == expected
     # a stop string split across tokens ("s: 2" spans several) still ends the text where it starts
     (ref,) = offline_texts(llm, [PROMPTS[0]], 24, stop=["s: 2"])
-    split = client.completions.create(**{**kw, "stop": ["s: 2"]}, stream=True)
+    split = list(client.completions.create(**{**kw, "stop": ["s: 2"]}, stream=True))
     assert "".join(c.choices[0].text for c in split) == ref == " Paris.\n\nThe answer i"
+    # one chunk per sampled token, as vLLM streams them: text held back goes out as empty chunks, so a
+    # client sees each token when it is sampled
+    whole = client.completions.create(**{**kw, "stop": ["s: 2"]})
+    assert whole.usage is not None and len(split) == whole.usage.completion_tokens
+    assert any(c.choices[0].text == "" for c in split[:-1])
+    # chat: a stop string that begins with the first token's text and never completes holds that text back
+    chat_kw: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    first = client.chat.completions.create(**chat_kw, logprobs=True).choices[0].logprobs.content[0].token  # type: ignore[union-attr,index]
+    chat_kw["stop"] = [first + "\u2603"]
+    chat_whole = client.chat.completions.create(**chat_kw)
+    chat_chunks = list(client.chat.completions.create(**chat_kw, stream=True))
+    content = chat_chunks[1:]  # after the role chunk
+    assert content[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in content) == chat_whole.choices[0].message.content
+    assert chat_whole.usage is not None and len(content) == chat_whole.usage.completion_tokens
 
 
 def test_vllm_sampling_extensions(server: LiveServer, llm: LLM) -> None:
