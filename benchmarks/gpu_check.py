@@ -156,7 +156,25 @@ def raytp_llm(model_dir: str, **kwargs: Any) -> Any:
 
     if DEVICE == "cpu":  # --smoke-cpu: the GPU-only settings do not apply
         kwargs.pop("gpu_memory_utilization", None)
+        if kwargs.get("async_scheduling"):
+            # The asynchronous step launches in place on CUDA only (cluster/executor.py); the smoke run takes that
+            # road on the CPU too, so the GPU run's code path is the one the smoke run met.
+            from unittest import mock
+
+            from cluster.executor import InProcessExecutor
+
+            with mock.patch.object(InProcessExecutor, "step_launcher", lambda self: self.launch_model):
+                return LLM(model_dir, device=DEVICE, distributed_executor_backend="inprocess", **kwargs)
     return LLM(model_dir, device=DEVICE, distributed_executor_backend="inprocess", **kwargs)
+
+
+def async_road(llm: Any) -> str | None:
+    """How the engine's asynchronous step reaches the model: "launch" (launched in place, resolved on the host
+    thread: model_exec/step_launch.py), "thread" (a step thread), None when it steps synchronously."""
+    engine = llm.llm_engine
+    if engine.pipeline is None:
+        return None
+    return "launch" if engine.pipeline.submit == engine.executor.launch_model else "thread"
 
 
 def raytp_generate(llm: Any, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[Any]:
@@ -257,6 +275,7 @@ def phase_tiny(fig: dict[str, Any], workdir: Path) -> None:
         shard = shard_of(llm)
         fig[f"{key}_attention_backend"] = _backend_name(shard)
         fig[f"{key}_cuda_graphs"] = shard.runner.decode_graphs is not None
+        fig[f"{key}_async_road"] = async_road(llm)
         del shard
         try:
             got = [o.token_ids for o in raytp_generate(llm, prompts, 48)]
@@ -394,6 +413,7 @@ def phase_raytp8b(
     fig["load_s"] = round(time.perf_counter() - start, 1)
     fig["attention_backend"] = _backend_name(shard)
     fig["cuda_graphs"] = shard.runner.decode_graphs is not None
+    fig["async_road"] = async_road(llm)
     fig["kv_blocks"] = shard.cache.num_device_blocks
     try:
         variants_at_start = compiled_variants()

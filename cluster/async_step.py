@@ -25,6 +25,14 @@ Invariants that make the outputs equal to the synchronous step's:
   pipeline waits for N first, as the synchronous step does. Structured-output rows so cost the overlap of the
   steps they sample in, and nothing else.
 
+Two ways to run the steps, both behind `submit`, which returns a `StepHandle`:
+- on a step thread (`StepHandle.of_future`): the worker call runs whole there, the Ray executor's and any
+  executor's road;
+- launched in place (the in-process executor on CUDA, `Executor.step_launcher`): `submit` enqueues the step on
+  the device from the host thread itself and returns at once; the handle's `ready` completes when the step's
+  results are on the host, and `result` builds its output on the host thread (model_exec/step_launch.py). No
+  step thread shares the GIL with the host's scheduling and output processing.
+
 Torch-free, like the engine: the workers and their tensors sit behind `submit`. The pipeline drives its engine
 through `StepHost`, the few phases it calls, so this module sits below `cluster.engine` (which builds it) and
 never imports it.
@@ -42,7 +50,28 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceGroup
 
-Submit = Callable[[SchedulerOutput], "concurrent.futures.Future[ModelRunnerOutput]"]
+
+@dataclass
+class StepHandle:
+    """A started step: `ready` completes when `result()` no longer waits for the workers; `result` gives the
+    step's output (raising the step's failure), on the caller's thread."""
+
+    ready: concurrent.futures.Future[Any]
+    result: Callable[[], ModelRunnerOutput]
+
+    @staticmethod
+    def of_future(future: concurrent.futures.Future[ModelRunnerOutput]) -> StepHandle:
+        """A step run whole on another thread (or process): its future is both."""
+        return StepHandle(future, future.result)
+
+    @staticmethod
+    def failed(error: BaseException) -> StepHandle:
+        future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+        future.set_exception(error)
+        return StepHandle.of_future(future)
+
+
+Submit = Callable[[SchedulerOutput], StepHandle]
 
 
 @dataclass
@@ -51,8 +80,13 @@ class InFlight:
 
     so: SchedulerOutput
     items: list[Any]  # Scheduler.take_scheduled(): the (group, seq, tokens) plan apply_result needs
-    future: concurrent.futures.Future[ModelRunnerOutput]
+    handle: StepHandle
     plan_past: bool  # the next step may be scheduled before this one's samples are known
+
+    @property
+    def future(self) -> concurrent.futures.Future[Any]:
+        """Completes when the step's result is ready to be applied without waiting."""
+        return self.handle.ready
 
 
 def can_plan_past(so: SchedulerOutput) -> bool:
@@ -76,8 +110,9 @@ class StepHost(Protocol):
 
 
 class StepPipeline:
-    """The engine's asynchronous step. `submit` starts a step on the workers and returns its future; the
-    steps it starts run in submission order (one worker thread, or Ray actors' ordered queues)."""
+    """The engine's asynchronous step. `submit` starts a step on the workers and returns its handle; the
+    steps it starts run in submission order (one worker thread, Ray actors' ordered queues, or one device
+    stream)."""
 
     def __init__(self, engine: StepHost, submit: Submit) -> None:
         self.engine = engine
@@ -134,16 +169,15 @@ class StepPipeline:
         if so.is_empty:  # nothing to run (then nothing was planned either)
             return None
         try:
-            future = self.submit(so)
-        except Exception as e:  # the executor refused at once (a dead actor): as a failed step
-            future = concurrent.futures.Future()
-            future.set_exception(e)
-        return InFlight(so, items, future, can_plan_past(so))
+            handle = self.submit(so)
+        except Exception as e:  # the executor refused at once (a dead actor, a failed launch): as a failed step
+            handle = StepHandle.failed(e)
+        return InFlight(so, items, handle, can_plan_past(so))
 
     def _apply(self, step: InFlight) -> list[RequestDelta]:
         engine = self.engine
         try:
-            result = step.future.result()
+            result = step.handle.result()
         except Exception:
             self.in_flight = None  # the caller fails the engine: every request in flight ends with the error
             raise

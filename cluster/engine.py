@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, cast
 
-from cluster.async_step import StepPipeline
+from cluster.async_step import StepHandle, StepPipeline
 from cluster.config import EngineConfig, ResolvedEngineConfig
 from cluster.device import resolve_config
 from cluster.draft import read_draft
@@ -152,11 +152,15 @@ class LLMEngine:
         self.loras = LoadedAdapters(self.config.enable_lora, self.config.max_lora_rank)
         self._rng = random.Random(self.config.seed)
         self.dead: BaseException | None = None
-        # async_scheduling: steps run on one worker-call thread, one step ahead of the host (cluster/async_step.py).
+        # async_scheduling: steps run one step ahead of the host (cluster/async_step.py), launched in place where
+        # the executor can (the in-process one on CUDA), else on one worker-call thread.
         self._step_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.pipeline: StepPipeline | None = None
         self._own_step_pool = self.config.async_scheduling
-        if self.config.async_scheduling:
+        self._launcher = self.executor.step_launcher() if self.config.async_scheduling else None
+        if self._launcher is not None:
+            self.pipeline = StepPipeline(self, self._launcher)
+        elif self.config.async_scheduling:
             self.use_step_thread(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-exec"))
         freeze_startup_heap()  # the step's collections walk only what the steps allocate (cluster/heap.py)
         weakref.finalize(self, thaw_heap)  # an engine dropped without shutdown() (offline LLM) thaws it too
@@ -172,10 +176,14 @@ class LLMEngine:
 
     def use_step_thread(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
         """Run the asynchronous step's worker calls on `pool` (one thread: steps stay in order). The serving
-        loop passes its own step thread, where its LoRA loads run too, so they never run beside a step."""
+        loop passes its own step thread, where its LoRA loads run too, so they never run beside a step.
+        Steps launched in place stay so unless LoRA is on: the serving loop's LoRA calls run on `pool`, and
+        only one thread may reach the ranks."""
+        if self._launcher is not None and not self.config.enable_lora:
+            return
         previous, owned = self._step_pool, self._own_step_pool
         self._step_pool, self._own_step_pool = pool, previous is pool and owned
-        self.pipeline = StepPipeline(self, lambda so: pool.submit(self.execute, so))
+        self.pipeline = StepPipeline(self, lambda so: StepHandle.of_future(pool.submit(self.execute, so)))
         if previous is not None and previous is not pool and owned:
             previous.shutdown(wait=True)
 

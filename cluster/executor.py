@@ -12,10 +12,12 @@ implements the same interface; `cluster.engine.make_executor` picks one.
 
 from __future__ import annotations
 
+import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.async_step import StepHandle, Submit
 from cluster.config import ResolvedEngineConfig
 from cluster.worker import Worker
 from model_exec.config import ModelConfig
@@ -37,6 +39,11 @@ class Executor(ABC):
         failure, or no answer within `timeout_s` (default: the step deadline), is the rank's: the executor is
         unusable afterwards."""
 
+    def step_launcher(self) -> Submit | None:
+        """How the asynchronous step starts a step in place, from the host thread (cluster/async_step.py);
+        None: on a step thread, through `execute_model`."""
+        return None
+
     def check_health(self) -> None:  # noqa: B027 - optional hook: in-process workers have nothing to check
         """Raise if any rank is unusable."""
 
@@ -51,9 +58,34 @@ def check_rank_method(method: str) -> None:
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, config: ResolvedEngineConfig, model_config: ModelConfig) -> None:
+    """launch_in_place: the asynchronous step launches each step from the host thread and resolves it there
+    (`step_launcher`; model_exec/step_launch.py). None: on a CUDA device, where it keeps the GIL to the host's
+    own thread while the device runs; True on the CPU runs the same split with nothing to overlap (tests)."""
+
+    def __init__(
+        self, config: ResolvedEngineConfig, model_config: ModelConfig, launch_in_place: bool | None = None
+    ) -> None:
         self.worker = Worker(config, model_config)
         self.worker.load_model()
+        self.launch_in_place = config.device == "cuda" if launch_in_place is None else launch_in_place
+        # Waits for launched steps' readback events (one torch call, the GIL released while it waits), so the
+        # pipeline's caller can wait on a future, blocking or from an event loop. Never runs a step.
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def step_launcher(self) -> Submit | None:
+        return self.launch_model if self.launch_in_place else None
+
+    def launch_model(self, so: SchedulerOutput) -> StepHandle:
+        """Enqueue the step (returns once it is on the device); the handle resolves it on the caller's thread."""
+        launched = self.worker.launch_model(so)
+        if launched.done():
+            ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+            ready.set_result(None)
+        else:
+            if self._waiter is None:
+                self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-event")
+            ready = self._waiter.submit(launched.wait)
+        return StepHandle(ready, launched.resolve)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = self.worker.execute_model(so)
@@ -70,4 +102,6 @@ class InProcessExecutor(Executor):
         return [getattr(self.worker, method)(*args, **kwargs)]
 
     def shutdown(self) -> None:
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
         self.worker.shutdown()

@@ -35,6 +35,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 if TYPE_CHECKING:
     from cluster.metrics.ray_metrics import WorkerMetrics
     from model_exec.shard import ModelShard
+    from model_exec.step_launch import LaunchedStep
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,15 @@ class Worker:
         if self.metrics is not None:
             self.metrics.record_step(time.perf_counter() - start)
         return out
+
+    def launch_model(self, so: SchedulerOutput) -> LaunchedStep:
+        """One step in two halves, in this process (the in-process executor's asynchronous step): returns once
+        the step is enqueued; the step's `resolve()` gives the ModelRunnerOutput (model_exec/step_launch.py)."""
+        start = time.perf_counter()
+        launched = self._shard().launch(so)
+        if self.metrics is not None:
+            self.metrics.record_step(time.perf_counter() - start)  # the host's part: the device's runs on
+        return launched
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Load a PEFT adapter's shard on this rank, keyed by lora_int_id (an id already loaded is replaced).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -161,9 +162,11 @@ class DecodeGraphs:
             used / 2**30,
         )
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor | None:
+    def run(self, inputs: DecodeInputs, fill_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Hidden states [bucket, hidden] of the padded batch (rows past inputs.num_rows are padding), or
-        None when this batch has no graph (too many rows, or a block table wider than the buffers)."""
+        None when this batch has no graph (too many rows, or a block table wider than the buffers).
+        fill_ids: writes ids the host does not know into the graph's input ids, on the device, before the
+        replay (the last step's samples: model_exec/step_launch.py)."""
         bucket = bucket_for(inputs.num_rows, self.sizes)
         if bucket is None or inputs.block_tables.shape[1] > self.max_blocks:
             return None
@@ -178,5 +181,7 @@ class DecodeGraphs:
             (self.block_tables[:bucket, :width], padded.block_tables),
         ):
             dst.copy_(src.pin_memory(), non_blocking=True)
+        if fill_ids is not None:
+            fill_ids(self.input_ids[: inputs.num_rows])
         self.graphs[bucket].replay()
         return self.outputs[bucket]

@@ -17,6 +17,10 @@ rank's LoRA context around the forward (model_exec/lora/context.py).
 On CUDA the host inputs travel as pinned, non-blocking copies (the host never waits for them), and a
 pure-decode step replays the CUDA graph of its batch-size bucket when graphs are attached
 (`model_exec/cuda_graphs.py`). On the CPU the "copies" are the host tensors themselves.
+
+`execute` runs a step whole (the synchronous road, the step thread, every TP rank); `launch` splits it for the
+in-process executor's asynchronous step: enqueue now, resolve later, the samples kept on the device
+(model_exec/step_launch.py).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from model_exec.lora.manager import LoRAManager
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
 from model_exec.pooler import Pooler
+from model_exec.readback import reader_for
 from model_exec.sampler import Sampler, SamplingMetadata
 from model_exec.spec_verify import RowToSample, sample_rows
+from model_exec.step_launch import LaunchedStep, launch_step
 from ops.attention.base import AttentionMetadata
 from ops.cache_ops import KVCache
 from request.pooling_params import PoolingParams
@@ -87,6 +93,9 @@ class _HostStep:
     starts: list[int]  # query_start_loc as Python ints (no device read)
     max_query_len: int
     num_decodes: int
+    # The launched step (model_exec/step_launch.py): writes the ids the host does not know yet into the
+    # input ids once they are on the device (the last step's samples, kept there).
+    fill_ids: Callable[[torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -128,6 +137,10 @@ class ModelRunner:
         self._pinned = device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None  # set by attach_decode_graphs (CUDA, after the KV pool)
         self.draft: DraftModel | None = None  # rank 0 with a draft model (speculative decoding): proposes
+        # The launch/resolve road (`launch`): results read back on a side stream, and the step launched last,
+        # whose sampled ids (still on the device) the next step's placeholders read.
+        self.reader = reader_for(device)
+        self.last_launch: LaunchedStep | None = None
 
     def attach_decode_graphs(self, graphs: DecodeGraphs) -> None:
         """Pure-decode steps replay these graphs from now on (the KV pool they captured must stay)."""
@@ -136,7 +149,9 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     # ------------------------------------------------------------------ state
-    def _apply_deltas(self, so: SchedulerOutput) -> list[_Row]:
+    def _apply_deltas(self, so: SchedulerOutput) -> tuple[list[_Row], list[tuple[int, _SeqState]]]:
+        """The step's rows (sorted as the backends take them), and the sequences whose newest token is the
+        scheduler's placeholder for a sample not seen yet (filled by `_fill_placeholders` or on the device)."""
         for seq_id in so.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             self.last_sampled.pop(seq_id, None)
@@ -165,12 +180,10 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             drafts = so.spec_token_ids.get(cached.seq_id, [])
             rows.append(_Row(cached.seq_id, state, cached.num_computed_tokens, cached.num_scheduled_tokens, drafts))
-        if placeheld:
-            self._fill_placeholders(placeheld)
         # Attention backends take decode rows (one new token) first; within each kind rows of one adapter sit
         # together, so each adapter's tokens form at most two contiguous ranges (LoRA slices, never gathers).
         rows.sort(key=lambda r: (r.num_scheduled != 1, r.state.lora_id))
-        return rows
+        return rows, placeheld
 
     def _fill_placeholders(self, placeheld: list[tuple[int, _SeqState]]) -> None:
         """Put the tokens rank 0 sampled last step in place of the scheduler's placeholders, on every rank
@@ -269,7 +282,8 @@ class ModelRunner:
         """Hidden states of the step's tokens (a graph's padded output may carry extra rows at the end)."""
         if self.decode_graphs is not None and host.max_query_len == 1:
             hidden = self.decode_graphs.run(
-                DecodeInputs(host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.block_tables)
+                DecodeInputs(host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.block_tables),
+                host.fill_ids,
             )
             if hidden is not None:
                 return hidden
@@ -286,7 +300,10 @@ class ModelRunner:
             max_seq_len=int(host.seq_lens.max()),
             num_decodes=host.num_decodes,
         )
-        return model(self._to_device(host.input_ids), self._to_device(host.positions), kv_caches, meta)
+        input_ids = self._to_device(host.input_ids)
+        if host.fill_ids is not None:
+            host.fill_ids(input_ids)
+        return model(input_ids, self._to_device(host.positions), kv_caches, meta)
 
     def _fill_proposals(self, rows: list[_Row]) -> None:
         """Speculative decoding with a draft model: rank 0's draft runs over the step (every step: its KV
@@ -311,19 +328,37 @@ class ModelRunner:
     def execute(
         self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> ModelRunnerOutput | None:
-        rows = self._apply_deltas(so)
+        """One step, whole: inputs, forward, samples read back (the synchronous road, and every TP rank)."""
+        rows, placeheld = self._apply_deltas(so)
+        if placeheld:
+            self._fill_placeholders(placeheld)
+        return self.run_rows(rows, so, kv_caches)
+
+    def launch(self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LaunchedStep:
+        """`execute` in two halves (model_exec/step_launch.py): returns once the step is enqueued; the
+        returned step's `resolve` gives its output. Rank 0 of a one-rank group only (the in-process executor)."""
+        return launch_step(self, so, kv_caches)
+
+    def forward_rows(self, rows: list[_Row], host: _HostStep, kv_caches: list[KVCache]) -> torch.Tensor:
+        """The step's hidden states, under its rows' LoRA adapters."""
+        if self.lora is not None:
+            with self.lora.batch([r.state.lora_id for r in rows], host.starts):
+                return self._forward(host, kv_caches)
+        if any(r.state.lora_id for r in rows):
+            raise ValueError("the step runs a LoRA adapter, but this engine was started without enable_lora")
+        return self._forward(host, kv_caches)
+
+    @torch.inference_mode()
+    def run_rows(
+        self, rows: list[_Row], so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> ModelRunnerOutput | None:
+        """`execute` past its deltas: every token the rows read is known on the host."""
         if not rows:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
         if self.draft is not None or any(has_placeholders(r) for r in rows):
             self._fill_proposals(rows)
         host = self._host_inputs(rows)
-        if self.lora is not None:
-            with self.lora.batch([r.state.lora_id for r in rows], host.starts):
-                hidden = self._forward(host, kv_caches)
-        elif any(r.state.lora_id for r in rows):
-            raise ValueError("the step runs a LoRA adapter, but this engine was started without enable_lora")
-        else:
-            hidden = self._forward(host, kv_caches)
+        hidden = self.forward_rows(rows, host, kv_caches)
         if self.pooler is not None:
             return self._pool(rows, hidden, host.starts)
 
@@ -380,24 +415,26 @@ class ModelRunner:
         vectors = self.pooler(hidden, starts, params)
         return ModelRunnerOutput(pooled={r.seq_id: v for r, v in zip(rows, vectors, strict=True)})
 
+    def steady_meta(self, rows: list[_Row], so: SchedulerOutput) -> SamplingMetadata:
+        """The steady batch (no proposals, no grammar): the sampler's lists straight from the rows' state, what
+        sample_rows builds for it through one RowToSample per row and its virtual rows."""
+        states = [r.state for r in rows]
+        num_samples = so.num_samples
+        return SamplingMetadata(
+            params=[s.params for s in states],
+            seeds=[s.seed for s in states],
+            sample_indices=[s.sample_index for s in states],
+            output_lens=[len(s.output_token_ids) for s in states],
+            num_samples=[num_samples[r.seq_id] for r in rows],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            eos_token_ids=self.eos_token_ids,
+        )
+
     def _sample(self, rows: list[_Row], logits: torch.Tensor, so: SchedulerOutput) -> list[SeqSample]:
         """One SeqSample per row; a speculative row owns len(drafts) + 1 logits rows (model_exec/spec_verify.py)."""
         if so.grammar_bitmask is None and not any(r.drafts for r in rows):
-            # The steady batch (no proposals, no grammar): the sampler's lists straight from the rows' state,
-            # what sample_rows builds for it through one RowToSample per row and its virtual rows.
-            states = [r.state for r in rows]
-            num_samples = so.num_samples
-            meta = SamplingMetadata(
-                params=[s.params for s in states],
-                seeds=[s.seed for s in states],
-                sample_indices=[s.sample_index for s in states],
-                output_lens=[len(s.output_token_ids) for s in states],
-                num_samples=[num_samples[r.seq_id] for r in rows],
-                prompt_token_ids=[s.prompt_token_ids for s in states],
-                output_token_ids=[s.output_token_ids for s in states],
-                eos_token_ids=self.eos_token_ids,
-            )
-            return self.sampler(logits, meta)
+            return self.sampler(logits, self.steady_meta(rows, so))
         bitmask: dict[int, np.ndarray] = {}
         if so.grammar_bitmask is not None:
             bitmask = {seq_id: so.grammar_bitmask[j] for j, seq_id in enumerate(so.structured_seq_ids)}

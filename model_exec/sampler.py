@@ -462,6 +462,16 @@ class Sampler:
         tokens: list[list[int]],
     ) -> None:
         """Exponential race for every draw of these rows of x, into tokens. x_owned: x may be consumed."""
+        drawn = self.race(x, x_owned, meta, sampled).tolist()
+        pos = 0
+        for i in sampled.rows:
+            count = meta.num_samples[i]
+            tokens[i] = drawn[pos : pos + count]
+            pos += count
+
+    def race(self, x: torch.Tensor, x_owned: bool, meta: SamplingMetadata, sampled: _SampledRows) -> torch.Tensor:
+        """The drawn tokens of these rows of x (int64 [draws], row order, on x's device): no host read on the
+        counter road (model_exec/device_samples.py keeps them there). x_owned: x may be consumed."""
         device = x.device
         s_x, rows_t = _select(x, sampled.rows)
         probs = _sampling_probs(s_x, sampled, owned=x_owned or rows_t is not None)
@@ -476,13 +486,8 @@ class Sampler:
             # outside the support. Both races give the same draws.
             keys = _keys_tensor(meta, sampled.rows, repeat).to(device)
             race = race_over_support if device.type == "cpu" else race_over_grid
-            drawn = race(probs, keys).tolist()
-        else:
-            drawn = self._generator_race(probs, meta, sampled.rows).tolist()
-        pos = 0
-        for i, count in zip(sampled.rows, repeat, strict=True):
-            tokens[i] = drawn[pos : pos + count]
-            pos += count
+            return race(probs, keys)
+        return self._generator_race(probs, meta, sampled.rows)
 
 
 def _generator_race_impl(probs: torch.Tensor, keys: list[int], gen: torch.Generator) -> torch.Tensor:
@@ -542,22 +547,45 @@ def _keys_tensor(meta: SamplingMetadata, rows: list[int], repeat: list[int]) -> 
 def _fill_logprobs(
     lp: torch.Tensor, plan: _Plan, offsets: list[int], deltas: list[float], samples: list[SeqSample]
 ) -> None:
-    """Top-n raw logprobs (lp: one row per logprob row) plus each sampled token, whose value is its delta.
-    Rank = 1 + the number of tokens with a strictly higher logprob, so ties share a rank."""
-    device, rows = lp.device, plan.logprob_rows
+    """Top-n raw logprobs (lp: one row per logprob row) plus each sampled token, whose value is its delta."""
+    draws = [d for i in plan.logprob_rows for d in range(offsets[i], offsets[i + 1])]
+    tok_lp = torch.tensor([deltas[d] for d in draws], dtype=lp.dtype, device=lp.device)
+    top_vals, top_ids, ranks = logprob_tensors(lp, plan, offsets, tok_lp)
+    write_logprobs(top_vals.tolist(), top_ids.tolist(), ranks.tolist(), plan, offsets, deltas, samples)
+
+
+def logprob_tensors(
+    lp: torch.Tensor, plan: _Plan, offsets: list[int], tok_lp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top values [L, n], their ids [L, n], each draw's rank [draws of the logprob rows]) on lp's device.
+    Rank = 1 + the number of tokens with a strictly higher logprob, so ties share a rank. tok_lp: each such
+    draw's logprob (its delta)."""
+    rows = plan.logprob_rows
     max_n = max(plan.logprob_counts)
-    top_vals: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
     if max_n > 0:
-        vals_t, ids_t = lp.topk(max_n, dim=-1)
-        top_vals, top_ids = vals_t.tolist(), ids_t.tolist()
-    # Every draw of a logprob row, with the lp row it reads.
-    draws = [d for i in rows for d in range(offsets[i], offsets[i + 1])]
-    lp_rows_t = torch.tensor([j for j, i in enumerate(rows) for _ in range(offsets[i], offsets[i + 1])], device=device)
-    tok_lp = torch.tensor([deltas[d] for d in draws], dtype=lp.dtype, device=device)
-    ranks = ((lp[lp_rows_t] > tok_lp.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+        top_vals, top_ids = lp.topk(max_n, dim=-1)
+    else:
+        top_vals, top_ids = lp[:, :0], lp[:, :0].long()
+    lp_rows_t = torch.tensor(
+        [j for j, i in enumerate(rows) for _ in range(offsets[i], offsets[i + 1])], device=lp.device
+    )
+    ranks = (lp[lp_rows_t] > tok_lp.unsqueeze(1)).sum(dim=-1) + 1
+    return top_vals, top_ids, ranks
+
+
+def write_logprobs(
+    top_vals: list[list[float]],
+    top_ids: list[list[int]],
+    ranks: list[int],
+    plan: _Plan,
+    offsets: list[int],
+    deltas: list[float],
+    samples: list[SeqSample],
+) -> None:
+    """Each logprob row's SeqSample.logprobs from `logprob_tensors`' values, read back to the host."""
+    draws = [d for i in plan.logprob_rows for d in range(offsets[i], offsets[i + 1])]
     pos = 0
-    for j, i in enumerate(rows):
+    for j, i in enumerate(plan.logprob_rows):
         n = plan.logprob_counts[j]
         top: TokenLogprobs = {}
         for k, (val, tok) in enumerate(zip(top_vals[j][:n], top_ids[j][:n], strict=True)):

@@ -31,6 +31,7 @@ from model_exec.pooler import Pooler
 from model_exec.pooling_model import build_pooling_model
 from model_exec.shard_config import DraftSpec, ShardConfig
 from model_exec.source import ModelSource, resolve_model
+from model_exec.step_launch import LaunchedStep
 from model_exec.warmup import warm_up_decode
 from model_exec.weights import iter_weights
 from ops.attention import get_attn_backend, pick_backend
@@ -271,6 +272,17 @@ class ModelShard:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's block moves, then run the batch. Only rank 0 returns an output."""
         assert self.cache is not None, "init_cache first"
+        self._move_blocks(so)
+        return self.runner.execute(so, self.cache.device_caches)
+
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """`execute` in two halves (model_exec/step_launch.py): the block moves and the step are enqueued;
+        the returned step's `resolve` gives the output."""
+        assert self.cache is not None, "init_cache first"
+        self._move_blocks(so)
+        return self.runner.launch(so, self.cache.device_caches)
+
+    def _move_blocks(self, so: SchedulerOutput) -> None:
         # Order matters: swap-out reads blocks that the same step may hand to others.
         for cache in (self.cache, self.draft_cache):  # one block id names a block in both pools
             if cache is None:
@@ -281,7 +293,6 @@ class ModelShard:
                 cache.swap_in(so.blocks_to_swap_in)
             if so.blocks_to_copy:
                 cache.copy(so.blocks_to_copy)
-        return self.runner.execute(so, self.cache.device_caches)
 
     def shutdown(self) -> None:
         self.tp.destroy()

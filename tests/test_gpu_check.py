@@ -106,3 +106,6 @@ def test_the_phases_run_on_a_cpu_with_a_small_model(tmp_path: Path) -> None:
         assert phases[name]["parity_teacher_forced"]["top1_agreement"] >= 0.9
         assert phases[name]["decode_8_rows"]["step_ms"] > 0
     assert phases["async"]["greedy_tokens_identical_to_sync"] == 4
+    # the road a CUDA run takes: launched in place, resolved on the host thread (model_exec/step_launch.py)
+    assert phases["async"]["async_road"] == phases["tiny"]["async_async_road"] == "launch"
+    assert phases["sync"]["async_road"] is None

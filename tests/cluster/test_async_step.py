@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cluster.executor import InProcessExecutor
 from raytp import LLM, SamplingParams, StructuredOutputsParams
 from request.lora import LoRARequest
 from tests.cluster.test_engine_parity import VARIANTS, tiny_prompts
@@ -31,6 +32,15 @@ BASE: dict[str, Any] = dict(num_gpu_blocks_override=256, block_size=16, swap_spa
 @functools.cache
 def _model(root: str) -> str:
     return make_tiny_llama(Path(root) / "llama")
+
+
+@pytest.fixture(autouse=True, params=["thread", "launch"])
+def step_road(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every case on both roads of the asynchronous step: worker calls on a step thread, and the in-process
+    executor's launch/resolve split (model_exec/step_launch.py; chosen on CUDA, forced here on the CPU)."""
+    if request.param == "launch":
+        monkeypatch.setattr(InProcessExecutor, "step_launcher", lambda self: self.launch_model)
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
