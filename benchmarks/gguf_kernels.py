@@ -2,10 +2,14 @@
 (Q4_1, Q8_0 = the int8 quantization's blocks, Q4_K, Q6_K, and the Q4_K_M mix), interleaved rounds in one process.
 
     PYTHONPATH=. python benchmarks/gguf_kernels.py [--tokens 1 128] [--threads 1] [--rounds 9]
-        [--types Q4_1 Q8_0] [--int-road]
+        [--types Q4_1 Q8_0] [--int-road] [--smollm2] [--clock thread]
 
 `--int-road` adds, for each type, the integer tiles forced at every row count (RAYTP_GGUF_DEQUANT_ROWS set
 past the tokens), so a prefill shape times both roads of gguf_gemm.cpp side by side.
+
+`--smollm2` takes SmolLM2-135M's own shapes instead (576 wide: QKV 960x576, o 576x576, gate/up 3072x576, down
+576x1536, head 49152x576; the 32-block types only). `--clock thread` times with `time.thread_time` (this thread's
+CPU time: robust to other processes' time slices on a shared machine, meaningful at `--threads 1` only).
 
 Shapes: the 512-wide SmolLM2-sized Llama of benchmarks/kquant_model.py (SmolLM2's 576 is not a multiple of
 a K-quant super-block): per layer fused QKV 1024x512, o_proj 512x512, fused gate/up 3072x512, down 512x1536,
@@ -32,6 +36,8 @@ import torch
 
 LAYER = {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)}
 HEAD = (49152, 512)
+SMOLLM2_LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SMOLLM2_HEAD = (49152, 576)
 V_ROWS = 256  # of the fused QKV: q 512, k 256, v 256
 
 
@@ -53,7 +59,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M mix"])
     ap.add_argument("--int-road", action="store_true", help="also time the integer tiles at every row count")
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's 576-wide shapes (Q4_1, Q8_0, Q4_0 only)")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     args = ap.parse_args()
+    if args.smollm2 and any(t in ("Q4_K", "Q6_K", "Q4_K_M mix") for t in args.types):
+        ap.error("--smollm2: 576 is not a multiple of a K-quant super-block (256); pass --types Q4_1 Q8_0")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    layer_shapes, head_shape = (SMOLLM2_LAYER, SMOLLM2_HEAD) if args.smollm2 else (LAYER, HEAD)
     torch.set_num_threads(args.threads)
 
     from model_exec.layers import cpu_gemm
@@ -64,8 +76,8 @@ def main() -> None:
     assert error is None, error
 
     torch.manual_seed(0)
-    mats = [(name, torch.randn(*shape) * 0.02) for _ in range(args.layers) for name, shape in LAYER.items()]
-    mats.append(("head", torch.randn(*HEAD) * 0.02))
+    mats = [(name, torch.randn(*shape) * 0.02) for _ in range(args.layers) for name, shape in layer_shapes.items()]
+    mats.append(("head", torch.randn(*head_shape) * 0.02))
     panels = [(cpu_gemm.pack_panels(w), w.shape[0]) for _, w in mats]
 
     def uniform(qtype: int) -> list[list[tuple[int, torch.Tensor]]]:
@@ -82,10 +94,11 @@ def main() -> None:
                 )
         return segs
 
-    makers = {"Q4_1": lambda: uniform(3), "Q8_0": lambda: uniform(8), "Q4_K": lambda: uniform(12)}
+    makers = {"Q4_0": lambda: uniform(2), "Q4_1": lambda: uniform(3), "Q8_0": lambda: uniform(8)}
+    makers |= {"Q4_K": lambda: uniform(12)}
     makers |= {"Q6_K": lambda: uniform(14), "Q4_K_M mix": q4_k_m}
     variants = {name: makers[name]() for name in args.types}
-    print(f"threads={torch.get_num_threads()}, {len(mats)} matrices, rounds={args.rounds}")
+    print(f"threads={torch.get_num_threads()}, {len(mats)} matrices, rounds={args.rounds}, clock={args.clock}")
     with torch.inference_mode():
         for m in args.tokens:
             xs = {k: torch.randn(m, k) for k in {w.shape[1] for _, w in mats}}
@@ -115,9 +128,9 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(args.rounds):
                 for name, fn in runs.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     fn()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+                    times[name].append((clock() - t0) * 1e3)
             base = statistics.median(times["fp32 panels"])
             for name, ts in times.items():
                 med = statistics.median(ts)

@@ -28,6 +28,13 @@
 // Work split: threads take ranges of output features (each reads only its share of W, in file order); inside,
 // a chunk of kChunk output rows (a few KB of W, kept in L1/L2) is run against every tile of kRows rows of x.
 //
+// The decode step (one row of x; issue 39's Q4_1 target, measured in docs/benchmarks.md): Q4_0 / Q4_1 run
+// `q4_row_features`, four output features per pass sharing x's loads (-17% per layer in L2, -5% streaming the
+// 30 layers, thread CPU time on one core), bit-identical to the one-feature tile; x is quantized by an AVX-512
+// loop into per-thread buffers kept between calls (a small matrix's call 5.4 -> 2.8 us). Tried and dropped: the
+// same four-feature pass for Q8_0's row tile (the LM head: 1.62 -> 1.70 ms, slower), W prefetch distances
+// other than 4 KB (1 KB +31%, 2 KB +13%, 8-16 KB equal).
+//
 // x [M, K] float32 with a contiguous last dim, K a multiple of 32; w [N, K / 32 * block bytes] uint8 contiguous.
 // Q4_K and Q6_K (256-weight super-blocks, K a multiple of 256) take the same quantized x into their own
 // kernels (gguf_kquants.cpp).
@@ -98,9 +105,11 @@ constexpr bool kTwoByteX = Q == kQ4_0 || Q == kQ4_1;
 struct QuantX {
   std::vector<int8_t> q, r;
   std::vector<float> d, s, c8;
-  // the AVX-512 VNNI tiles' copies (`interleave_pairs`): empty when they do not run
+  // the AVX-512 VNNI pair tiles' copies (`interleave_pairs`): filled only when those tiles run
   std::vector<int8_t> qv, rv;
   std::vector<float> dx8, e8;
+  bool two = false;   // two bytes per x (r holds the low bytes)
+  bool vnni = false;  // qv / rv / dx8 / e8 are filled and the VNNI tiles run
 };
 
 // r == nullptr: one byte per x; else two (q the high, r the low byte of X)
@@ -228,7 +237,7 @@ void interleave_bytes(const int8_t* src, int8_t* dst, int64_t k_len) {
 void interleave_pairs(QuantX& qx, int64_t m, int64_t k_len, int64_t qtype) {
   const int64_t nb = k_len / kBlock, np = nb / 2;
   interleave_bytes(qx.q.data() + m * k_len, qx.qv.data() + m * k_len, k_len);
-  if (!qx.rv.empty()) interleave_bytes(qx.r.data() + m * k_len, qx.rv.data() + m * k_len, k_len);
+  if (qx.two) interleave_bytes(qx.r.data() + m * k_len, qx.rv.data() + m * k_len, k_len);
   const float* e = qtype == kQ4_1 ? qx.s.data() + m * nb : qx.c8.data() + m * nb;
   for (int64_t p = 0; p < np; ++p) {
     float* d8 = qx.dx8.data() + (m * np + p) * 8;
@@ -246,6 +255,36 @@ RAYTP_VNNI inline float half_f16c(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return _cvtsh_ss(bits);
+}
+
+// quantize_row in AVX-512: the same grid values (x * inv rounded half to even, as nearbyint under the default
+// rounding mode), d and c8; only s, the float sum of x, is summed in another order (a float rounding apart).
+// A decode step quantizes x ~121 times a token and the scalar loop was most of a small matrix's call.
+RAYTP_VNNI void quantize_row_avx512(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d, float* s, float* c8) {
+  for (int64_t b = 0; b < k_len / kBlock; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dx = amax / 127.f;
+    const float step = r == nullptr ? dx : dx / 256.f;
+    const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / step : 0.f);
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    if (r == nullptr) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(v0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(v1));
+    } else {  // hi = floor((v + 128) / 256), lo = v - 256 hi, as quantize_row splits
+      const __m512i c128 = _mm512_set1_epi32(128);
+      const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(v0, c128), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(v1, c128), 8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(h0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(h1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r + b * kBlock),
+                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(v0, _mm512_slli_epi32(h0, 8))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r + b * kBlock + 16),
+                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(v1, _mm512_slli_epi32(h1, 8))));
+    }
+    d[b] = step;
+    s[b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    c8[b] = 8.f * step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1)));
+  }
 }
 
 // Q8_0's pair (68 bytes, more than one load) in that layout.
@@ -364,6 +403,73 @@ RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uin
     for (int r = 0; r < R; ++r) out[(m0 + r) * n_out + n] = raytp::hsum8(_mm256_add_ps(acc[r], accm[r])) + extra[r];
   }
 }
+
+// One row of x (a decode step) against kFeatures output features at once (Q4_0 / Q4_1): x's four per-pair loads
+// (two byte planes, scales, offset terms) are shared by the features, their FMA chains are independent, and the
+// four horizontal sums end in one 4x4 transpose. Each feature's lanes take exactly tile_vnni<Q, 1>'s operations
+// in its order, and the transpose sums each as hsum8 does, so the outputs are bit-identical to the one-feature
+// tile (the features n1 - n0 leaves over run through it).
+constexpr int64_t kFeatures = 4;
+
+template <int64_t Q>
+RAYTP_VNNI void q4_row_features(const QuantX& qx, int64_t m, int64_t k_len, const uint8_t* w, int64_t row_bytes,
+                                int64_t n, float* out) {  // out: the features' 4 outputs
+  constexpr int F = kFeatures;
+  const int64_t nb = k_len / kBlock, np = nb / 2;
+  const int64_t bb = block_bytes(Q);
+  const __m512i nib_idx = nibble_words<Q>(), scale_idx = scale_words<Q>();
+  const int8_t* xq = qx.qv.data() + m * k_len;
+  const int8_t* xr = qx.rv.data() + m * k_len;
+  const float* xd = qx.dx8.data() + m * np * 8;
+  const float* xe = qx.e8.data() + m * np * 8;
+  const uint8_t* wr = w + n * row_bytes;
+  __m256 acc[F], accm[F];
+#pragma GCC unroll 4
+  for (int f = 0; f < F; ++f) acc[f] = accm[f] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    const __m512i xv = _mm512_loadu_si512(xq + p * 64), rv = _mm512_loadu_si512(xr + p * 64);
+    const __m256 dx = _mm256_loadu_ps(xd + p * 8), ex = _mm256_loadu_ps(xe + p * 8);
+#pragma GCC unroll 4
+    for (int f = 0; f < F; ++f) {
+      const uint8_t* b0 = wr + f * row_bytes + 2 * p * bb;
+      _mm_prefetch(reinterpret_cast<const char*>(b0 + kAhead), _MM_HINT_T0);
+      __m256 dw8, m8;
+      __m512i wv;
+      load_q4_pair<Q>(b0, nib_idx, scale_idx, wv, dw8, m8);
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+      s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), wv, rv);
+      const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+      acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), _mm256_mul_ps(dw8, dx), acc[f]);
+      if constexpr (Q == kQ4_1) accm[f] = _mm256_fmadd_ps(m8, ex, accm[f]);
+      if constexpr (Q == kQ4_0) accm[f] = _mm256_fnmadd_ps(dw8, ex, accm[f]);
+    }
+  }
+  alignas(16) float extra[F] = {};
+  if (nb % 2) {  // the odd last block (unpaired in qv), as tile_vnni<Q, 1> takes it
+    const int64_t b = nb - 1;
+    const float dxb = qx.d[m * nb + b];
+    for (int f = 0; f < F; ++f) {
+      const uint8_t* blk = wr + f * row_bytes + b * bb;
+      const float dw = half_f16c(blk);
+      const __m256i wv = unpack<Q>(blk);
+      const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_block<Q>(wv, xq + b * kBlock), 8),
+                                           dot_block<Q>(wv, xr + b * kBlock));
+      acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dxb), acc[f]);
+      if constexpr (Q == kQ4_1) extra[f] = half_f16c(blk + 2) * qx.s[m * nb + b];
+      if constexpr (Q == kQ4_0) extra[f] = -(dw * qx.c8[m * nb + b]);
+    }
+  }
+  __m128 v[F];
+#pragma GCC unroll 4
+  for (int f = 0; f < F; ++f) {
+    const __m256 t = _mm256_add_ps(acc[f], accm[f]);
+    v[f] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // hsum8's first step
+  }
+  _MM_TRANSPOSE4_PS(v[0], v[1], v[2], v[3]);  // v[j] = lane j of every feature
+  // hsum8's order per feature, (l0 + l2) + (l1 + l3), then the odd block's scalar term as tile_vnni<Q, 1> adds it
+  const __m128 sums = _mm_add_ps(_mm_add_ps(v[0], v[2]), _mm_add_ps(v[1], v[3]));
+  _mm_storeu_ps(out, _mm_add_ps(sums, _mm_load_ps(extra)));
+}
 #else
 // The same sums in plain C++ (builds without AVX2).
 template <int64_t Q, int R>
@@ -405,14 +511,17 @@ void run(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* w, int64_
       const int64_t n1 = std::min(end, n0 + kChunk);
       int64_t m = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-      if (!qx.qv.empty()) {
+      if (qx.vnni) {
         for (; m + kRows <= rows; m += kRows) tile_vnni<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
         for (; m < rows; ++m) {
           if constexpr (Q == kQ8_0)  // its own one-row tile (gguf_q8_rows.cpp): a Q8_0 pair is more than one load
             raytp::q8_0_row(qx.q.data() + m * k_len, qx.d.data() + m * (k_len / kBlock), k_len, w, row_bytes, n0, n1,
                             out + m * n_out, 1);
-          else
-            tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+          else {
+            int64_t n = n0;
+            for (; n + kFeatures <= n1; n += kFeatures) q4_row_features<Q>(qx, m, k_len, w, row_bytes, n, out + m * n_out + n);
+            tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n, n1, out, n_out);
+          }
         }
         continue;
       }
@@ -442,15 +551,27 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
   }
   const int64_t nb = k_len / kBlock;
   const bool two_bytes = qtype == kQ4_0 || qtype == kQ4_1;  // kTwoByteX
-  QuantX qx{std::vector<int8_t>(rows * k_len), std::vector<int8_t>(two_bytes ? rows * k_len : 0),
-            std::vector<float>(rows * nb), std::vector<float>(rows * nb), std::vector<float>(rows * nb)};
+  // The calling thread's buffers, kept from call to call: a decode step makes ~121 calls a token on a few KB each,
+  // and allocating (and zeroing) nine vectors per call was a measurable part of the small matrices' calls.
+  // (A reference: the worker threads of the loops below must see the caller's buffers, not their own.)
+  thread_local QuantX buffers;
+  QuantX& qx = buffers;
+  qx.q.resize(rows * k_len);
+  qx.r.resize(two_bytes ? rows * k_len : 0);
+  qx.d.resize(rows * nb);
+  qx.s.resize(rows * nb);
+  qx.c8.resize(rows * nb);
+  qx.two = two_bytes;
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   bool vnni = false;
 #if defined(__AVX2__) && defined(__FMA__)
   vnni = super_bytes == 0 && use_vnni();  // the K-quant kernels read qx as it is
 #endif
-  if (vnni) {
+  // The pair layout feeds the VNNI pair tiles; Q8_0 rows short of a 4-row tile run gguf_q8_rows.cpp on q as it is.
+  const bool pairs = vnni && (qtype != kQ8_0 || rows >= kRows);
+  qx.vnni = vnni;
+  if (pairs) {
     qx.qv.resize(rows * k_len);
     if (two_bytes) qx.rv.resize(rows * k_len);
     qx.dx8.resize(rows * (nb / 2) * 8);
@@ -458,10 +579,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype) 
   }
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / k_len), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, two_bytes ? qx.r.data() + m * k_len : nullptr,
-                   qx.d.data() + m * nb, qx.s.data() + m * nb, qx.c8.data() + m * nb);
+      int8_t* r = two_bytes ? qx.r.data() + m * k_len : nullptr;
 #if defined(__AVX2__) && defined(__FMA__)
-      if (vnni) interleave_pairs(qx, m, k_len, qtype);
+      if (vnni)
+        quantize_row_avx512(xp + m * ldx, k_len, qx.q.data() + m * k_len, r, qx.d.data() + m * nb, qx.s.data() + m * nb,
+                            qx.c8.data() + m * nb);
+      else
+#endif
+        quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, r, qx.d.data() + m * nb, qx.s.data() + m * nb,
+                     qx.c8.data() + m * nb);
+#if defined(__AVX2__) && defined(__FMA__)
+      if (pairs) interleave_pairs(qx, m, k_len, qtype);
 #endif
     }
   });

@@ -100,6 +100,18 @@ def test_tensor_parallel_slices_are_the_full_products_parts(
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_a_decode_rows_outputs_do_not_depend_on_its_neighbours(qtype: object, k: int) -> None:
+    """One row of x: the decode tile that runs several output features per pass (Q4_0 / Q4_1) gives each feature
+    the same bits as computing it alone (one feature: the one-feature tile), whatever N % 4 leaves over."""
+    w = _blocks(37, k, qtype, seed=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    whole = gguf_linear(x, w.raw, w.qtype)
+    alone = torch.cat([gguf_linear(x, w.raw[n : n + 1].contiguous(), w.qtype) for n in range(37)], dim=-1)
+    assert torch.equal(whole, alone)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_is_the_gguf_packages_dequantization(qtype: object) -> None:
     w = _blocks(9, 96, qtype, seed=11)
     torch.testing.assert_close(dequantize_rows(w.raw, w.qtype, 96), w.dequantize(), rtol=0, atol=0)
