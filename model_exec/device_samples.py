@@ -26,6 +26,7 @@ from model_exec.sampler import (
     _process_logits,
     _select,
     logprob_tensors,
+    window_rows,
     write_logprobs,
 )
 from scheduler.outputs import SeqSample
@@ -85,12 +86,9 @@ def sample_on_device(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetad
         end = min(start + size, num_rows)
         part = torch.log_softmax(logits[start:end], dim=-1)
         delta_parts.append(part.gather(1, tokens[start:end].unsqueeze(1)).squeeze(1))
-        lp_stop = lp_next
-        while lp_stop < len(lp_rows) and lp_rows[lp_stop] < end:
-            lp_stop += 1
-        if lp_stop > lp_next:
-            lp_parts.append(part[torch.tensor(lp_rows[lp_next:lp_stop], device=device) - start])
-            lp_next = lp_stop
+        got, lp_next = window_rows(part, lp_rows, lp_next, start, end)
+        if got is not None:
+            lp_parts.append(got)
     deltas = torch.cat(delta_parts) if len(delta_parts) > 1 else delta_parts[0]
     logprobs = None
     if lp_parts:

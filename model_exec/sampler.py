@@ -352,6 +352,20 @@ def _chunk_rows(x: torch.Tensor) -> int:
     return max(1, _CPU_CHUNK_ELEMENTS // x.shape[1]) if x.device.type == "cpu" else x.shape[0]
 
 
+def window_rows(
+    part: torch.Tensor, rows: list[int], next_i: int, start: int, end: int
+) -> tuple[torch.Tensor | None, int]:
+    """The rows of `part` (logits rows start..end-1) that `rows[next_i:]` (sorted) names inside the window, and
+    the index of the first name past it: how `_raw_logprobs` and model_exec/device_samples.py collect whole
+    logprob rows chunk by chunk."""
+    stop = next_i
+    while stop < len(rows) and rows[stop] < end:
+        stop += 1
+    if stop == next_i:
+        return None, next_i
+    return part[torch.tensor(rows[next_i:stop], device=part.device) - start], stop
+
+
 def _raw_logprobs(
     logits: torch.Tensor, offsets: list[int], draw_tokens: list[int], logprob_rows: list[int]
 ) -> tuple[list[float], torch.Tensor | None]:
@@ -375,12 +389,9 @@ def _raw_logprobs(
             counts = torch.tensor([offsets[i + 1] - offsets[i] for i in range(start, end)], device=device)
             rows_t = torch.repeat_interleave(torch.arange(end - start, device=device), counts)
             deltas.extend(part[rows_t, tokens_t].tolist())
-        lp_stop = lp_next
-        while lp_stop < len(logprob_rows) and logprob_rows[lp_stop] < end:
-            lp_stop += 1
-        if lp_stop > lp_next:
-            lp_parts.append(part[torch.tensor(logprob_rows[lp_next:lp_stop], device=device) - start])
-            lp_next = lp_stop
+        got, lp_next = window_rows(part, logprob_rows, lp_next, start, end)
+        if got is not None:
+            lp_parts.append(got)
     return deltas, torch.cat(lp_parts) if lp_parts else None
 
 
