@@ -126,6 +126,17 @@ def collect(deltas: list[Any], into: dict[str, list[Any]]) -> None:
             )
 
 
+def sync_outputs(params: list[SamplingParams]) -> dict[str, list[Any]]:
+    """Every request's deltas from the synchronous engine: the reference the launched steps must equal."""
+    sync = engine(False, False)
+    add(sync, params)
+    want: dict[str, list[Any]] = {}
+    while sync.has_unfinished_requests():
+        collect(sync.step(), want)
+    sync.shutdown()
+    return want
+
+
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, logprobs=2, ignore_eos=True),
@@ -138,12 +149,7 @@ PARAMS = [
 def test_the_next_step_reads_the_sampled_ids_on_the_device_before_the_host_has_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sync = engine(False, False)
-    add(sync, PARAMS)
-    want: dict[str, list[Any]] = {}
-    while sync.has_unfinished_requests():
-        collect(sync.step(), want)
-    sync.shutdown()
+    want = sync_outputs(PARAMS)
 
     e = engine(True, True)
     device = FakeDevice()
@@ -272,12 +278,7 @@ def test_the_serving_loop_keeps_the_launch_road_unless_lora_is_on(
 
     monkeypatch.setattr(InProcessExecutor, "step_launcher", lambda self: self.launch_model)
     params = PARAMS[:3]
-    sync = engine(False, False)
-    add(sync, params)
-    want: dict[str, list[Any]] = {}
-    while sync.has_unfinished_requests():
-        collect(sync.step(), want)
-    sync.shutdown()
+    want = sync_outputs(params)
     config = EngineConfig(
         model=_model(),
         num_gpu_blocks_override=256,
