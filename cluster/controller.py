@@ -76,10 +76,12 @@ class EngineLoop:
         replica: str | None = None,
         model_name: str | None = None,
         group_name: str | None = None,
+        num_threads: int | None = None,
     ) -> None:
         """Loads the model (blocking: call it off the event loop). Labels of this engine's metrics:
         `replica` (the Serve replica id; default: this actor's name, else its id) and `model_name`
-        (the name clients use; default: the model's own). `group_name`: its Ray workers' placement group."""
+        (the name clients use; default: the model's own). `group_name`: its Ray workers' placement group.
+        `num_threads`: the torch threads of an in-process worker (a Serve replica: the CPUs it reserved)."""
         if config.distributed_executor_backend is None:
             config = dataclasses.replace(config, distributed_executor_backend="ray")
         # The executor blocks in ray.get, but only here (start-up, before any request) and on the step and
@@ -87,7 +89,9 @@ class EngineLoop:
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         # The default factory unless a group is named (tests swap LLMEngine for one bound to a fake executor).
         factory = (
-            {} if group_name is None else {"executor_factory": functools.partial(make_executor, group_name=group_name)}
+            {}
+            if group_name is None and num_threads is None
+            else {"executor_factory": functools.partial(make_executor, group_name=group_name, num_threads=num_threads)}
         )
         self.engine = LLMEngine(config, **factory)
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytp-step")

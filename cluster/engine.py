@@ -75,13 +75,19 @@ def read_checked_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig, 
     return source, model_config, read_draft(config, source, model_config)
 
 
-def make_executor(config: ResolvedEngineConfig, model_config: ModelConfig, group_name: str | None = None) -> Executor:
+def make_executor(
+    config: ResolvedEngineConfig,
+    model_config: ModelConfig,
+    group_name: str | None = None,
+    num_threads: int | None = None,
+) -> Executor:
     """The in-process executor (TP=1 by default) or the Ray one; Ray is imported only when asked for.
-    `group_name`: the Ray executor's placement group name (cluster/ray_executor.py)."""
+    `group_name`: the Ray executor's placement group name (cluster/ray_executor.py). `num_threads`: the
+    in-process worker's torch threads (None: torch's default; a Ray rank takes its bundle's CPUs)."""
     if config.distributed_executor_backend == "inprocess":
         from cluster.executor import InProcessExecutor
 
-        return InProcessExecutor(config, model_config)
+        return InProcessExecutor(config, model_config, num_threads=num_threads)
     from cluster.ray_executor import RayExecutor
 
     return RayExecutor(config, model_config, group_name)

@@ -63,9 +63,13 @@ class InProcessExecutor(Executor):
     own thread while the device runs; True on the CPU runs the same split with nothing to overlap (tests)."""
 
     def __init__(
-        self, config: ResolvedEngineConfig, model_config: ModelConfig, launch_in_place: bool | None = None
+        self,
+        config: ResolvedEngineConfig,
+        model_config: ModelConfig,
+        launch_in_place: bool | None = None,
+        num_threads: int | None = None,
     ) -> None:
-        self.worker = Worker(config, model_config)
+        self.worker = Worker(config, model_config, num_threads=num_threads)
         self.worker.load_model()
         self.launch_in_place = config.device == "cuda" if launch_in_place is None else launch_in_place
         # Waits for launched steps' readback events (one torch call, the GIL released while it waits), so the

@@ -21,11 +21,19 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 
+from cluster.ray_utils import env_float
+
 Bundle = dict[str, float]
 
 
 class PlacementError(ValueError):
     """The cluster cannot place the requested workers (a configuration error, not a crash)."""
+
+
+def cpus_per_worker() -> float:
+    """The CPUs each rank reserves (RAYTP_CPUS_PER_WORKER, default 1) and, on the CPU, its torch threads: a Ray
+    rank's bundle, or a Serve replica that runs its model in its own process."""
+    return env_float("RAYTP_CPUS_PER_WORKER", 1.0)
 
 
 def worker_bundle(use_gpu: bool, cpus_per_worker: float) -> Bundle:

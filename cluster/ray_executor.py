@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ResolvedEngineConfig
 from cluster.executor import Executor, check_rank_method
-from cluster.placement import create_placement_group, new_group_name, worker_bundle
+from cluster.placement import cpus_per_worker, create_placement_group, new_group_name, worker_bundle
 from cluster.ray_utils import ensure_ray, env_float
 from cluster.worker import NodeInfo, Worker
 from model_exec.config import ModelConfig
@@ -68,7 +68,7 @@ class RayExecutor(Executor):
         ensure_ray()
         self.world_size = config.tensor_parallel_size
         self.step_timeout_s = env_float("RAYTP_STEP_TIMEOUT_S", 60.0)
-        cpus = env_float("RAYTP_CPUS_PER_WORKER", 1.0)
+        cpus = cpus_per_worker()
         use_gpu = config.device == "cuda"  # resolve_config decided `auto` (cluster/device.py)
         self.workers: list[Any] = []  # actor handles, index = rank
         self.nodes: list[NodeInfo] = []

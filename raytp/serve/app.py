@@ -15,13 +15,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import ray
 from ray import serve
 
+from cluster.config import EngineConfig
+from cluster.placement import cpus_per_worker
 from raytp.openai.models import Adapter
 from raytp.serve.args import ModelArgs, ServeArgs
 from raytp.serve.ingress import OpenAIIngress
 from raytp.serve.lora_registry import LoRARegistry
-from raytp.serve.replica import LLMServer
+from raytp.serve.replica import LLMServer, served_executor_backend
 from raytp.serve.routing import request_router_config
 
 # every ingress and model replica holds a watch call open on the registry (lora_sync.py)
@@ -68,12 +71,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
 
 def engine_deployment(sa: ServeArgs, model: ModelArgs) -> dict[str, Any]:
     """The deployment options of `model`'s replicas (the ingress itself, or its LLMServer deployment when
-    split), from the model's args and the application's. No CPUs are reserved for them: the compute is
-    reserved by the TP worker actors."""
+    split), from the model's args and the application's."""
     options: dict[str, Any] = {
         "max_ongoing_requests": model.max_ongoing_requests,
         "health_check_period_s": model.health_check_period_s,
-        "ray_actor_options": {"num_cpus": 0},
+        "ray_actor_options": model_replica_resources(model.engine),
     }
     if model.autoscaling_config is not None:
         options["autoscaling_config"] = model.autoscaling_config
@@ -82,6 +84,17 @@ def engine_deployment(sa: ServeArgs, model: ModelArgs) -> dict[str, Any]:
     if sa.split:  # the ingress reaches these replicas through a handle: Serve's router picks one per request
         options["request_router_config"] = request_router_config(sa.request_router or "prefix", model.engine.block_size)
     return options
+
+
+def model_replica_resources(engine: EngineConfig) -> dict[str, float]:
+    """What a model replica reserves. With its model in TP worker actors, nothing: the workers' placement group
+    holds the compute. With its model in its own process (the in-process executor), what that one rank's bundle
+    would hold: RAYTP_CPUS_PER_WORKER CPUs, and one GPU where the model runs on CUDA (`device="auto"`: where the
+    cluster has GPUs, as for Ray ranks), so Ray places the replica where its model can run."""
+    if served_executor_backend(engine) != "inprocess":
+        return {"num_cpus": 0}
+    gpu = engine.device == "cuda" or (engine.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    return {"num_cpus": cpus_per_worker(), **({"num_gpus": 1} if gpu else {})}
 
 
 def server_name(sa: ServeArgs, model: ModelArgs) -> str:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ray import serve
 
@@ -37,15 +38,26 @@ logger = logging.getLogger(__name__)
 UNLOAD_RETRY_S = 0.5  # an unloaded adapter still in use is retried this often until its requests finish
 
 
+def served_executor_backend(config: EngineConfig) -> Literal["ray", "inprocess"]:
+    """Where a model replica's model runs: `distributed_executor_backend` as given, else in TP worker actors.
+    One answer for the replica's engine (`start_engine`) and its deployment's resources (raytp/serve/app.py)."""
+    return config.distributed_executor_backend or "ray"
+
+
 async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, ModelInfo]:
     """Load the model in this Serve replica: (its engine loop, model_info). Loading blocks (it waits on the
     workers), so it runs off the event loop; a replica that awaits this in its async __init__ does not report
     ready before it is done. The Serve replica id labels this engine's metrics (`replica`), as Serve's own
-    series name replicas."""
+    series name replicas. A model run in-process computes on as many torch threads as the replica reserved
+    CPUs (what a TP rank's bundle would have: `engine_deployment`)."""
     from cluster.controller import EngineLoop  # imported where a model replica starts, not by every importer
+    from cluster.placement import cpus_per_worker
 
+    backend = served_executor_backend(config)
+    config = dataclasses.replace(config, distributed_executor_backend=backend)
+    threads = max(1, int(cpus_per_worker())) if backend == "inprocess" else None
     replica = serve.get_replica_context().replica_id.unique_id
-    engine = await asyncio.to_thread(EngineLoop, config, replica, served_model_name)
+    engine = await asyncio.to_thread(EngineLoop, config, replica, served_model_name, None, threads)
     info = await engine.model_info()
     logger.info("model replica ready: %s", info)
     return engine, info

@@ -15,7 +15,7 @@ from cluster.outputs import Logprob
 from raytp.openai.errors import EngineOverloadedError, request_failed, to_openai_error, validation_error
 from raytp.openai.logprobs import chat_logprobs, completion_logprobs
 from raytp.openai.protocol import CompletionRequest
-from raytp.serve.app import build_app
+from raytp.serve.app import build_app, engine_deployment
 from raytp.serve.args import ServeArgs
 from request.errors import PromptTooLongError, RequestError
 
@@ -48,6 +48,21 @@ def test_serve_args_parsing() -> None:
     with pytest.raises(ValueError, match="ingress_replicas needs split_ingress"):
         ServeArgs.from_dict({"ingress_replicas": 2})
     assert ServeArgs.from_dict({"split_ingress": True, "ingress_replicas": 2}).ingress_replicas == 2
+
+
+def test_a_model_replica_reserves_its_model_only_when_the_model_runs_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In TP worker actors the workers' placement group holds the compute, so the replica reserves none; run
+    in-process, the replica holds what the one rank's bundle would (CPUs, and a GPU on CUDA)."""
+    monkeypatch.setenv("RAYTP_CPUS_PER_WORKER", "3")
+
+    def resources(**engine: object) -> dict[str, float]:
+        sa = ServeArgs.from_dict(dict(engine))
+        return engine_deployment(sa, sa.model)["ray_actor_options"]
+
+    assert resources() == {"num_cpus": 0}
+    assert resources(tensor_parallel_size=2) == {"num_cpus": 0}
+    assert resources(distributed_executor_backend="inprocess", device="cpu") == {"num_cpus": 3.0}
+    assert resources(distributed_executor_backend="inprocess", device="cuda") == {"num_cpus": 3.0, "num_gpus": 1}
 
 
 @pytest.mark.parametrize("name", ["serve_config.example.yaml", "serve_config.multi.example.yaml"])
