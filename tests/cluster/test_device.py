@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, default_kv_cache_bytes
 from cluster.device import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, default_block_size, resolve_device
 from cluster.engine import resolve_config
 from model_exec.config import ModelConfig
@@ -42,3 +42,16 @@ def test_block_size_is_validated_only_when_given() -> None:
     assert EngineConfig(block_size=32).block_size == 32
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(block_size=24)
+
+
+def test_the_cpu_kv_budget_default_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAYTP_CPU_KVCACHE_SPACE (GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE) sets the default; unset, a quarter of RAM
+    up to 4 GiB; a malformed value is refused by name."""
+    monkeypatch.setenv("RAYTP_CPU_KVCACHE_SPACE", "0.5")
+    assert default_kv_cache_bytes() == 1 << 29
+    monkeypatch.delenv("RAYTP_CPU_KVCACHE_SPACE")
+    assert 0 < default_kv_cache_bytes() <= 4 << 30
+    for bad in ("lots", "0"):
+        monkeypatch.setenv("RAYTP_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="RAYTP_CPU_KVCACHE_SPACE"):
+            default_kv_cache_bytes()
