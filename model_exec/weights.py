@@ -7,6 +7,7 @@ model (where it is, its config and tokenizer) is torch-free and lives in `model_
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import Counter
@@ -139,12 +140,20 @@ def _hf_parameter_names(config_dir: str) -> list[str]:
     return list(model.state_dict())
 
 
-def _iter_gguf(src: ModelSource, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    """The parsed GGUF at `path` as it is now (its mtime and size in the key), kept for the process's next engine:
+    building a reader parses every metadata field in Python (SmolLM2's 49k-token vocabulary: ~1-2.5 s on the
+    2-core machines, at every engine start). Safe to share: the reader maps the file read-only, and every
+    tensor taken from it is copied or dequantized into memory of its own (`iter_gguf_tensors`)."""
     from gguf import GGUFReader
 
-    # One reader per load: building one parses every metadata field (SmolLM2's 49k-token vocabulary took
-    # 5.2 s of the 11 s its load took when the reader was built twice).
-    reader = GGUFReader(src.gguf_path)
+    return GGUFReader(path)
+
+
+def _iter_gguf(src: ModelSource, keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    stat = Path(src.gguf_path).stat()
+    reader = _gguf_reader(str(src.gguf_path), stat.st_mtime_ns, stat.st_size)
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in supported_gguf_archs():
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {supported_gguf_archs()}")
