@@ -148,21 +148,31 @@ def work_units(items: list[pytest.Item]) -> dict[str, str]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each unit's tests next to each other (at its first test's place): the long standalone units, then the
-    live ones, then the rest; every test marked with its unit's xdist group. Within a unit the collection order
-    stays, so its modules stay whole."""
+    live ones, then the rest; every test marked with its unit's xdist group. Within a unit, the modules on a
+    `_CROSS_MODULE` fixture (the shared server) come first, then the others, each group in collection order, so
+    its modules stay whole and the shared server starts once."""
     units = work_units(items)
     first: dict[str, int] = {}
     live: dict[str, bool] = {}
+    on_shared: set[str] = set()  # modules that ask for a `_CROSS_MODULE` fixture
     for n, item in enumerate(items):
-        unit = units[item.nodeid.split("::")[0]]
+        module = item.nodeid.split("::")[0]
+        unit = units[module]
         first.setdefault(unit, n)
         live[unit] = live.get(unit, False) or _is_live(Path(item.path))
+        if _CROSS_MODULE & set(getattr(item, "fixturenames", ())):
+            on_shared.add(module)
     position = {id(item): n for n, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, int, int]:
-        unit = units[item.nodeid.split("::")[0]]
+    def key(item: pytest.Item) -> tuple[int, int, bool, int]:
+        module = item.nodeid.split("::")[0]
+        unit = units[module]
         rank = 0 if unit in _LONG_FIRST else 1 if live[unit] else 2
-        return (rank, first[unit], position[id(item)])
+        # Within a unit, the modules on the shared server first, one after another: a module with a server of its
+        # own between two of them (test_tensor_parallel.py sorts between test_structured_live.py and
+        # test_tool_calls_live.py) ends the shared server, and the next one started it again (a whole SmolLM2
+        # server start, 75-90 s on the shared machine, once per run).
+        return (rank, first[unit], module not in on_shared, position[id(item)])
 
     items.sort(key=key)
     suffix = bool(os.environ.get("PYTEST_XDIST_WORKER")) and bool(getattr(config.option, "loadgroup", False))

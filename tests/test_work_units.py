@@ -39,6 +39,19 @@ def test_modules_sharing_a_server_or_a_package_fixture_are_one_unit(request: pyt
     assert len({units[m] for m in families}) <= 1, {m: units[m] for m in families}
 
 
+def test_modules_on_the_shared_server_run_one_after_another(request: pytest.FixtureRequest) -> None:
+    """No module of its unit runs between two modules on `shared_live_server`: one with a server of its own
+    (test_tensor_parallel.py) would end the shared one, and the next module would start it again."""
+    modules = list(dict.fromkeys(item.nodeid.split("::")[0] for item in request.session.items))
+    on_shared = {
+        item.nodeid.split("::")[0]
+        for item in request.session.items
+        if "shared_live_server" in getattr(item, "fixturenames", ())
+    }
+    at = [n for n, m in enumerate(modules) if m in on_shared]
+    assert not at or at == list(range(at[0], at[0] + len(at))), modules[at[0] : at[-1] + 1] if at else modules
+
+
 # Modules on `shared_live_server` / `small_engine_llm`, and the family modules on the package `ray_session`.
 _SHARED_SERVER = {"test_openai_api.py", "test_structured_live.py", "test_tool_calls_live.py", "test_tensor_parallel.py"}
 _FAMILIES_ON_RAY = {"test_mixtral.py", "test_qwen2_moe.py", "test_qwen3_moe.py"}

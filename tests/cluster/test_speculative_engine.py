@@ -296,10 +296,13 @@ def test_the_default_model_copies_code_text_and_chat_identically_and_accepts_mos
         None,
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     ):
-        llm = LLM(max_model_len=1024, speculative_config=spec)
+        # A 128 MiB KV pool (~2.8k tokens; the three requests need under 1k): the default (RAM/4, at most 4 GiB)
+        # zero-filled cost each engine start ~20 s on the shared machine and held nothing more.
+        llm = LLM(max_model_len=1024, kv_cache_memory_bytes=1 << 27, swap_space=0.05, speculative_config=spec)
         outs = llm.generate(prompts, params, use_tqdm=False) + llm.chat(chat, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
         sched = llm.llm_engine.scheduler
+        assert sched.num_preemptions_recompute + sched.num_preemptions_swap == 0  # as with the default pool
         rates.append(sched.spec_num_accepted_tokens / max(1, sched.spec_num_draft_tokens))
         llm.llm_engine.shutdown()
     assert results[1] == results[0]

@@ -1,7 +1,8 @@
 """Structured outputs through the offline engine on the embedded SmolLM2: every seeded sample at
 temperature 1.0 is valid (JSON schemas checked with `jsonschema`, regex, choice, grammar), with n and
-best_of, and the same seed gives the same output under preemption, chunked prefill, prefix-cache hits and
-TP=3 over Ray. Bad specs are refused naming the field and leak nothing.
+best_of, and the same seed gives the same output under preemption, chunked prefill and prefix-cache hits (and
+TP=3 over Ray: tests/cluster/test_ray_executor.py::test_tp3_smollm2_matches_tp1, on that test's engine). Bad specs
+are refused naming the field and leak nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import jsonschema
 import pytest
 
 from raytp import LLM, RequestError, SamplingParams, StructuredOutputsParams
-from tests.cluster.ray_helpers import ray_session  # noqa: F401  (module fixture, for the TP=3 test)
 
 pytestmark = pytest.mark.slow
 
@@ -195,8 +195,10 @@ def test_bad_specs_are_refused_naming_the_field(llm: LLM, spec: dict) -> None:
     assert len(out.outputs[0].token_ids) == 2
 
 
-def _samples(llm: LLM, prompts: list[str], seeds: range) -> list[str]:
-    params = [constrained(s, json=SCHEMAS[s % len(SCHEMAS)], disable_any_whitespace=True) for s in seeds]
+def samples(llm: LLM, prompts: list[str], seeds: range, max_tokens: int = 160) -> list[str]:
+    """One seeded temperature-1.0 sample per prompt, under SCHEMAS[seed % 5]; each validated. Also the TP=3 over Ray
+    check's (tests/cluster/test_ray_executor.py::test_tp3_smollm2_matches_tp1)."""
+    params = [constrained(s, max_tokens, json=SCHEMAS[s % len(SCHEMAS)], disable_any_whitespace=True) for s in seeds]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for s, out in zip(seeds, outs, strict=True):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[s % len(SCHEMAS)])
@@ -209,8 +211,8 @@ LONG = "You are a careful assistant that answers only with compact JSON document
 
 def test_same_seed_same_output_under_preemption_chunking_and_prefix_cache(llm: LLM) -> None:
     prompts = [f"{LONG} Item {i}:" for i in range(10)]
-    reference = _samples(llm, prompts, range(10))
-    assert _samples(llm, prompts, range(10)) == reference  # second round: prefix-cache hits
+    reference = samples(llm, prompts, range(10))
+    assert samples(llm, prompts, range(10)) == reference  # second round: prefix-cache hits
     hits = llm.llm_engine.block_manager.prefix_cache_hits
     assert hits > 0
     # A KV pool so small that ten requests cannot all run (preemption by recompute and by swap), and a
@@ -226,26 +228,8 @@ def test_same_seed_same_output_under_preemption_chunking_and_prefix_cache(llm: L
             enable_prefix_caching=False,
         )
         try:
-            assert _samples(tight, prompts, range(10)) == reference
+            assert samples(tight, prompts, range(10)) == reference
             sched = tight.llm_engine.scheduler
             assert sched.num_preemptions_recompute + sched.num_preemptions_swap > 0
         finally:
             tight.llm_engine.shutdown()
-
-
-@pytest.mark.usefixtures("ray_session")
-def test_tp3_over_ray_matches_tp1() -> None:
-    prompts = [f"Record {i}:" for i in range(6)]
-    # 256 MiB of KV per rank (~5.8k tokens; 6 rows of at most 256 need 1.5k): the default 4 GiB per rank
-    # would put 12 GiB of zero-filled pools on the test machine at once
-    small = dict(max_model_len=256, block_size=16, kv_cache_memory_bytes=256 << 20)
-    one = LLM(None, **small)
-    try:
-        reference = _samples(one, prompts, range(6))
-    finally:
-        one.llm_engine.shutdown()
-    three = LLM(None, tensor_parallel_size=3, distributed_executor_backend="ray", **small)
-    try:
-        assert _samples(three, prompts, range(6)) == reference
-    finally:
-        three.llm_engine.shutdown()
