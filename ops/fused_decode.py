@@ -16,6 +16,7 @@ from ops.attention import cpu_kernels
 # How a linear layer's weight is held (decode_layer.cpp's kKind*).
 KIND_GGUF = 0  # GGUF blocks (and int8's Q8_0 blocks): `gguf_linear` per run of one GGML type
 KIND_PANELS = 1  # fp32 16-wide panels (model_exec/layers/cpu_gemm.py): `panel_linear`
+KIND_GGUF_PACKED = 2  # as KIND_GGUF, each run's blocks then their decode copy (`gguf_q4x16_pack`; empty: none)
 
 
 def available() -> bool:

@@ -23,8 +23,9 @@
 // Every row of the step is a decode row (one new token); tensor parallelism of 1 (no all-reduce here).
 //
 // plan (int list): [num_heads, num_kv_heads, head_dim, rotary_dim, window, fused_silu, then per linear
-// (qkv, o, gate_up, down): kind, segments, out_features, has_bias, then `segments` GGML types (kind 0 only)].
-// weights (tensor list): [w_in, w_post, then per linear its `segments` weight tensors, then its bias if any].
+// (qkv, o, gate_up, down): kind, segments, out_features, has_bias, then `segments` GGML types (kinds 0, 2)].
+// weights (tensor list): [w_in, w_post, then per linear its `segments` weight tensors (kind 2: blocks and packed
+// copy per segment), then its bias if any].
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -33,6 +34,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -42,6 +44,7 @@ using Tensor = at::Tensor;
 
 constexpr int64_t kKindGguf = 0;    // GGUF blocks (and int8's Q8_0 blocks): one gguf_linear per type segment
 constexpr int64_t kKindPanels = 1;  // fp32 16-wide panels: panel_linear
+constexpr int64_t kKindGguf16 = 2;  // as kKindGguf, each segment's blocks followed by its gguf_q4x16_pack copy
 
 // The composed ops, found once (all of them are registered by the library's other files by the first call).
 struct Ops {
@@ -53,7 +56,7 @@ struct Ops {
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                                 int64_t, double, const Tensor&)>
       paged_decode_attention;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> gguf_linear;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&)> gguf_linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panel_linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panel_linear_silu_mul;
 };
@@ -72,7 +75,7 @@ const Ops& ops() {
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("raytp_cpu::write_kv_cache"),
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t, double,
                 const Tensor&)>("raytp_cpu::paged_decode_attention"),
-      find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::gguf_linear"),
+      find<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&)>("raytp_cpu::gguf_linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::panel_linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::panel_linear_silu_mul"),
   };
@@ -82,8 +85,8 @@ const Ops& ops() {
 // One linear layer as the plan describes it (views into the call's lists: nothing is copied).
 struct Linear {
   int64_t kind = 0, out_features = 0;
-  const int64_t* qtypes = nullptr;  // kind 0: one GGML type per segment
-  const Tensor* weights = nullptr;  // `segments` of them
+  const int64_t* qtypes = nullptr;  // kinds 0 and 2: one GGML type per segment
+  const Tensor* weights = nullptr;  // `segments` of them (kind 2: `segments` pairs, blocks then packed copy)
   int64_t segments = 0;
   const Tensor* bias = nullptr;
 };
@@ -110,15 +113,15 @@ struct Cursor {
     l.segments = next_int();
     l.out_features = next_int();
     const bool has_bias = next_int() != 0;
-    TORCH_CHECK(l.kind == kKindGguf || (l.kind == kKindPanels && l.segments == 1),
+    TORCH_CHECK(l.kind == kKindGguf || l.kind == kKindGguf16 || (l.kind == kKindPanels && l.segments == 1),
                 "decode_layer: unknown linear kind ", l.kind, " with ", l.segments, " segments");
     TORCH_CHECK(l.segments >= 1, "decode_layer: a linear needs at least one weight segment");
-    if (l.kind == kKindGguf) {
+    if (l.kind != kKindPanels) {
       TORCH_CHECK(p + l.segments <= plan.size(), "decode_layer: the plan ends early");
       l.qtypes = plan.data() + p;
       p += l.segments;
     }
-    l.weights = next_tensors(l.segments);
+    l.weights = next_tensors(l.kind == kKindGguf16 ? 2 * l.segments : l.segments);
     if (has_bias) l.bias = next_tensors(1);
     return l;
   }
@@ -128,15 +131,20 @@ struct Cursor {
 Tensor linear(const Linear& l, const Tensor& x) {
   const Ops& o = ops();
   Tensor y;
+  const int64_t stride = l.kind == kKindGguf16 ? 2 : 1;  // tensors per segment
+  const auto segment = [&](int64_t s) {
+    return o.gguf_linear.call(x, l.weights[stride * s], l.qtypes[s],
+                              stride == 2 ? std::optional<Tensor>(l.weights[2 * s + 1]) : std::nullopt);
+  };
   if (l.kind == kKindPanels) {
     y = o.panel_linear.call(x, l.weights[0], l.out_features);
   } else if (l.segments == 1) {
-    y = o.gguf_linear.call(x, l.weights[0], l.qtypes[0]);
+    y = segment(0);
   } else {  // a layer of mixed GGML types (Q4_K_M files): the segments' outputs side by side
     y = at::empty({x.size(0), l.out_features}, x.options());
     int64_t col = 0;
     for (int64_t s = 0; s < l.segments; ++s) {
-      const Tensor part = o.gguf_linear.call(x, l.weights[s], l.qtypes[s]);
+      const Tensor part = segment(s);
       y.narrow(1, col, part.size(1)).copy_(part);
       col += part.size(1);
     }

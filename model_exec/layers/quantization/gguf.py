@@ -7,9 +7,16 @@ its own GGML type (Q4_K_M files mix types inside one fused layer), so the method
 loading, joins runs of the same type into segments: one kernel call per segment, their outputs side by side.
 A layer any of whose rows came as floats (a type without a kernel, a tensor-parallel cut between blocks)
 runs dequantized as one float matrix, exactly as without this method.
+
+Q4_0 / Q4_1 segments also get a copy repacked for the decode step (`ops/csrc/gguf_q4x16.cpp`: 16 output
+features interleaved per block, ~3x fewer instructions per weight than the file's layout) where the CPU has
+AVX-512 VNNI and the segment's rows are a multiple of 16; the file's rows stay for prefill (the dequantizing
+road) and as the reference. `RAYTP_GGUF_DECODE_PACK=0` (read at load) keeps the file's layout alone (A/B timing).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -30,13 +37,23 @@ def kernels_available() -> bool:
     return cpu_kernels.load_error() is None and cpu_kernels.vectorized()
 
 
-def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x [..., K] @ W^T for W's rows `raw` [N, bytes] in GGML type `qtype`'s block layout."""
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T for W's rows `raw` [N, bytes] in GGML type `qtype`'s block layout; `packed`: their
+    `decode_pack` copy, which the decode rows read instead."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if rows.dtype != torch.float32:
         raise ValueError(f"GGUF block weights multiply float32 activations, got {rows.dtype}")
-    y = torch.ops.raytp_cpu.gguf_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), raw, qtype)
+    y = torch.ops.raytp_cpu.gguf_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), raw, qtype, packed)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])
+
+
+def decode_pack(raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
+    """The decode step's repacked copy of a segment's rows (Q4_0 / Q4_1, rows a multiple of 16, AVX-512 VNNI),
+    else None."""
+    if os.environ.get("RAYTP_GGUF_DECODE_PACK", "1") == "0":
+        return None
+    packed = torch.ops.raytp_cpu.gguf_q4x16_pack(raw, qtype)
+    return packed if packed.numel() > 0 else None
 
 
 class GGUFLinearMethod(QuantizeMethodBase):
@@ -47,6 +64,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
     def __init__(self) -> None:
         self.parts: list[tuple[int, torch.Tensor | GGUFTensor]] = []  # (first row, rows) as loaded
         self.segments: list[tuple[int, torch.Tensor]] = []  # (GGML type, block rows) after loading
+        self.packed: list[torch.Tensor | None] = []  # per segment: its `decode_pack` copy, or None
         self.dense: UnquantizedLinearMethod | None = None  # set when the layer runs as floats
 
     def create_weights(
@@ -92,6 +110,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
                 else:
                     runs.append((b.qtype, [b.raw]))
             self.segments = [(qtype, torch.cat(raws) if len(raws) > 1 else raws[0]) for qtype, raws in runs]
+            self.packed = [decode_pack(raw, qtype) for qtype, raw in self.segments]
             return True
         # some rows came as floats: the whole layer runs dequantized
         dense = torch.cat([r.dequantize() if isinstance(r, GGUFTensor) else r for _, r in parts])
@@ -106,9 +125,10 @@ class GGUFLinearMethod(QuantizeMethodBase):
             raise RuntimeError("a GGUF linear layer ran before its weights were loaded and processed")
         if len(self.segments) == 1:  # the usual layer: one type throughout, one kernel call
             qtype, raw = self.segments[0]
-            y = gguf_linear(x, raw, qtype)
+            y = gguf_linear(x, raw, qtype, self.packed[0])
         else:
-            y = torch.cat([gguf_linear(x, raw, qtype) for qtype, raw in self.segments], dim=-1)
+            parts = zip(self.segments, self.packed, strict=True)
+            y = torch.cat([gguf_linear(x, raw, qtype, packed) for (qtype, raw), packed in parts], dim=-1)
         return y if bias is None else y.add_(bias)
 
 
