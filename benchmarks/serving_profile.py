@@ -11,8 +11,6 @@ load (default 1 req/s), and reports:
 - CPU seconds of every process of the tree during the load, by role (proxy, ingress, LLMServer,
   controller, worker, Ray daemons), also per output token: on a 2-core machine every CPU ms a hop
   spends is taken from the model;
-- at TP=1 the model runs in the ingress replica's process (`raytp serve`'s default): its CPU is the ingress's;
-  `--raytp-arg=--distributed-executor-backend=ray` puts it in a worker actor of its own, as before 2026-11-29;
 - with `--py-spy`, the hottest functions (own samples while holding the GIL) of the ingress, the
   LLMServer replica and the controller; and the model worker's samples (all, its ops drop the GIL) by
   phase of its step: input preparation, forward, sampler, the rest (`print_phases`).
