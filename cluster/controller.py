@@ -32,10 +32,10 @@ Metrics: the controller records what it owns (queues, KV usage, prefix cache, pr
 it publishes (tokens, TTFT, ITL, finished requests) through `EngineTelemetry` into Ray's metrics
 pipeline, on the event loop between steps; each rank records its own step time.
 
-Decision: unless the config names an executor, the loop runs even TP=1 through the Ray executor, so the
-model sits in a placed worker actor that holds the GPU/CPU bundle, and the process hosting the loop needs
-no accelerator (the batch replicas' `EngineController`). A Serve model replica names one: in-process at
-TP=1 (`raytp/serve/replica.py`'s `served_executor_backend`), where the replica reserves the rank's resources.
+Decision: unless the config says `distributed_executor_backend="inprocess"`, the controller runs
+even TP=1 through the Ray executor, so the model sits in a placed worker actor that holds the
+GPU/CPU bundle, and the process hosting the loop needs no accelerator — and, importing no torch,
+little memory.
 """
 
 from __future__ import annotations
