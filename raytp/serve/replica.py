@@ -39,15 +39,9 @@ UNLOAD_RETRY_S = 0.5  # an unloaded adapter still in use is retried this often u
 
 
 def served_executor_backend(config: EngineConfig) -> Literal["ray", "inprocess"]:
-    """Where a model replica's model runs: `distributed_executor_backend` as given, else in the replica's own
-    process at TP=1 and in TP worker actors above (vLLM's default, as offline). One answer for the replica's
-    engine (`start_engine`) and its deployment's resources (raytp/serve/app.py).
-
-    Decision: at TP=1 the model shares the replica's process, so a step is a call, not a Ray message to a
-    worker actor and back (docs/benchmarks.md, "Issue 42: the served model in the replica's process")."""
-    if config.distributed_executor_backend is not None:
-        return config.distributed_executor_backend
-    return "inprocess" if config.tensor_parallel_size == 1 else "ray"
+    """Where a model replica's model runs: `distributed_executor_backend` as given, else in TP worker actors.
+    One answer for the replica's engine (`start_engine`) and its deployment's resources (raytp/serve/app.py)."""
+    return config.distributed_executor_backend or "ray"
 
 
 async def start_engine(config: EngineConfig, served_model_name: str | None) -> tuple[EngineLoop, ModelInfo]:

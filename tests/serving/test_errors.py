@@ -42,8 +42,6 @@ def server(model_dir: str) -> Any:
         "max_waiting_requests": 2,
         "api_key": KEY,
         "health_check_period_s": 1.0,
-        # the model in a TP worker actor (the default at TP>1), so a test can kill the worker alone
-        "distributed_executor_backend": "ray",
     }
     with live_server(args) as s:
         yield s

@@ -41,9 +41,7 @@ def expected(model_dir: str) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str, expected: str) -> Any:
-    # the model in a TP worker actor (the default at TP>1), so a test can kill the worker alone
     args = {"model": model_dir, **ENGINE, "split_ingress": True, "health_check_period_s": 1.0}
-    args["distributed_executor_backend"] = "ray"
     with live_server(args) as s:
         yield s
 

@@ -59,9 +59,8 @@ def test_a_model_replica_reserves_its_model_only_when_the_model_runs_in_it(monke
         sa = ServeArgs.from_dict(dict(engine))
         return engine_deployment(sa, sa.model)["ray_actor_options"]
 
-    assert resources(distributed_executor_backend="ray") == {"num_cpus": 0}
+    assert resources() == {"num_cpus": 0}
     assert resources(tensor_parallel_size=2) == {"num_cpus": 0}
-    assert resources(device="cpu") == {"num_cpus": 3.0}  # TP=1: in-process by default
     assert resources(distributed_executor_backend="inprocess", device="cpu") == {"num_cpus": 3.0}
     assert resources(distributed_executor_backend="inprocess", device="cuda") == {"num_cpus": 3.0, "num_gpus": 1}
 
