@@ -93,7 +93,9 @@ def model_replica_resources(engine: EngineConfig) -> dict[str, float]:
     cluster has GPUs, as for Ray ranks), so Ray places the replica where its model can run."""
     if served_executor_backend(engine) != "inprocess":
         return {"num_cpus": 0}
-    gpu = engine.device == "cuda" or (engine.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    # Off a cluster (an app built only to check its args) no GPU can be seen, and none is reserved.
+    cluster_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    gpu = engine.device == "cuda" or (engine.device == "auto" and cluster_gpus >= 1)
     return {"num_cpus": cpus_per_worker(), **({"num_gpus": 1} if gpu else {})}
 
 
