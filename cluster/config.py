@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cluster.env import env_float
 from model_exec.generation_config import check_generation_config_setting
 from model_exec.shard_config import ShardConfig
 from ops.attention.registry import ATTENTION_BACKENDS
@@ -37,14 +38,8 @@ def default_kv_cache_bytes() -> int:
     (seen: 4 GiB in 0.5 s on one machine, 5-6 s on another whose free memory was fragmented, where Linux
     compacts memory to give the pool huge pages; 1 GiB there: 0.13 s).
     """
-    space = os.environ.get("RAYTP_CPU_KVCACHE_SPACE", "")
-    if space:
-        try:
-            gib = float(space)
-        except ValueError:
-            raise ValueError(f"RAYTP_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
-        if gib <= 0:
-            raise ValueError(f"RAYTP_CPU_KVCACHE_SPACE must be positive, got {space!r}")
+    gib = env_float("RAYTP_CPU_KVCACHE_SPACE", 0.0)  # 0.0: unset (a set value must be positive)
+    if gib:
         return int(gib * _GiB)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

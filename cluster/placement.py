@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 
-from cluster.ray_utils import env_float
+from cluster.env import env_float
 
 Bundle = dict[str, float]
 

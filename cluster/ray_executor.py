@@ -37,9 +37,10 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ResolvedEngineConfig
+from cluster.env import env_float
 from cluster.executor import Executor, check_rank_method
 from cluster.placement import cpus_per_worker, create_placement_group, new_group_name, worker_bundle
-from cluster.ray_utils import ensure_ray, env_float
+from cluster.ray_utils import ensure_ray
 from cluster.worker import NodeInfo, Worker
 from model_exec.config import ModelConfig
 from request.errors import RequestError

@@ -35,17 +35,3 @@ def ensure_ray() -> None:
     else:
         logger.info("no Ray cluster given (RAY_ADDRESS unset): starting a local one")
         ray.init(address="local", include_dashboard=os.environ.get("RAYTP_RAY_DASHBOARD", "0") == "1")
-
-
-def env_float(name: str, default: float) -> float:
-    """A positive number from the environment, with a clear error for a malformed one."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
-    return value
