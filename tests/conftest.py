@@ -71,16 +71,17 @@ atexit.register(_leave_without_teardown)
 # xdist_group marks into `item._nodeid`; pytest 9 reads the node id from `item._id`, so that write is lost and
 # every test was its own unit, whatever the marks said (the `live` group of before never took effect). This hook
 # therefore writes the suffix itself, first (tryfirst), and only in an xdist worker of `--dist loadgroup`.
-#
-# Each worker computes on one thread: two processes with two OpenMP threads each on two cores spent their time
-# in OpenMP's spin barriers (a validation run crawled: gomp_team_barrier_wait_end under every torch op). Set
-# before torch loads, so OpenMP and MKL read it; processes a test starts inherit it, and the Ray ranks set
-# their own count (cluster/worker.py). Outside xdist (`-n 0`) nothing changes.
+
 # Every engine a test starts without a KV budget gets 1 GiB (RAYTP_CPU_KVCACHE_SPACE; Ray ranks and servers the tests
 # start inherit it), not the default quarter of RAM up to 4 GiB: the pool is populated at start, and on the CI's
 # machines 4 GiB took 5-6 s where 1 GiB took 0.13 s (Linux compacting fragmented memory for huge pages). 1 GiB
 # holds ~23k tokens of SmolLM2; a test about the default's size unsets it (tests/cluster/test_device.py).
 os.environ.setdefault("RAYTP_CPU_KVCACHE_SPACE", "1")
+
+# Each worker computes on one thread: two processes with two OpenMP threads each on two cores spent their time
+# in OpenMP's spin barriers (a validation run crawled: gomp_team_barrier_wait_end under every torch op). Set
+# before torch loads, so OpenMP and MKL read it; processes a test starts inherit it, and the Ray ranks set
+# their own count (cluster/worker.py). Outside xdist (`-n 0`) nothing changes.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     if "torch" in sys.modules:

@@ -57,7 +57,7 @@ async def start_engine(config: EngineConfig, served_model_name: str | None) -> t
     config = dataclasses.replace(config, distributed_executor_backend=backend)
     threads = max(1, int(cpus_per_worker())) if backend == "inprocess" else None
     replica = serve.get_replica_context().replica_id.unique_id
-    engine = await asyncio.to_thread(EngineLoop, config, replica, served_model_name, None, threads)
+    engine = await asyncio.to_thread(EngineLoop, config, replica, served_model_name, num_threads=threads)
     info = await engine.model_info()
     logger.info("model replica ready: %s", info)
     return engine, info
