@@ -34,6 +34,7 @@ import torch
 
 from model_exec.cuda_graphs import DecodeGraphs, DecodeInputs
 from model_exec.draft_model import DraftModel, has_placeholders
+from model_exec.layers.quantization import row_roads
 from model_exec.lora.manager import LoRAManager
 from model_exec.models import CausalLM
 from model_exec.parallel import TPGroup
@@ -93,6 +94,9 @@ class _HostStep:
     starts: list[int]  # query_start_loc as Python ints (no device read)
     max_query_len: int
     num_decodes: int
+    # [T] bool: the row's token was generated (position >= its prompt's length); picks its GGUF road
+    # (model_exec/layers/quantization/row_roads.py)
+    generated: torch.Tensor
     # The launched step (model_exec/step_launch.py): writes the ids the host does not know yet into the
     # input ids once they are on the device (the last step's samples, kept there).
     fill_ids: Callable[[torch.Tensor], None] | None = None
@@ -223,6 +227,7 @@ class ModelRunner:
         block_tables = _block_tables(rows, max(len(r.state.block_ids) for r in rows))
         block_of_token = block_tables[row_of_token, positions // self.block_size].long()
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        num_prompt = torch.tensor([len(r.state.prompt_token_ids) for r in rows])
         return _HostStep(
             input_ids=input_ids,
             positions=positions,
@@ -233,6 +238,7 @@ class ModelRunner:
             starts=query_start_loc.tolist(),
             max_query_len=max(q_lens_list),
             num_decodes=sum(1 for n in q_lens_list if n == 1),
+            generated=positions >= num_prompt[row_of_token],
         )
 
     def _decode_inputs(self, rows: list[_Row]) -> _HostStep:
@@ -244,10 +250,12 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        generated: list[bool] = []
         max_blocks = 0
         for r in rows:
             state, pos = r.state, r.num_computed
             num_prompt = len(state.prompt_token_ids)
+            generated.append(pos >= num_prompt)
             if r.drafts:
                 input_ids.append(r.drafts[0])
             else:
@@ -269,6 +277,7 @@ class ModelRunner:
             starts=list(range(num_rows + 1)),
             max_query_len=1,
             num_decodes=num_rows,
+            generated=torch.tensor(generated, dtype=torch.bool),
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -303,7 +312,8 @@ class ModelRunner:
         input_ids = self._to_device(host.input_ids)
         if host.fill_ids is not None:
             host.fill_ids(input_ids)
-        return model(input_ids, self._to_device(host.positions), kv_caches, meta)
+        with row_roads.step(host.generated):
+            return model(input_ids, self._to_device(host.positions), kv_caches, meta)
 
     def _fill_proposals(self, rows: list[_Row]) -> None:
         """Speculative decoding with a draft model: rank 0's draft runs over the step (every step: its KV

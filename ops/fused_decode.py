@@ -16,7 +16,7 @@ from ops.attention import cpu_kernels
 # How a linear layer's weight is held (decode_layer.cpp's kKind*).
 KIND_GGUF = 0  # GGUF blocks (and int8's Q8_0 blocks): `gguf_linear` per run of one GGML type
 KIND_PANELS = 1  # fp32 16-wide panels (model_exec/layers/cpu_gemm.py): `panel_linear`
-KIND_GGUF_PACKED = 2  # as KIND_GGUF, each run's blocks then their decode copy (`gguf_q4x16_pack`; empty: none)
+KIND_GGUF_PACKED = 2  # as KIND_GGUF, each run's blocks then their decode copy (`gguf.decode_pack`; empty: none)
 
 
 def available() -> bool:
@@ -39,6 +39,7 @@ def decode_layer(
     slot_mapping: torch.Tensor,  # [T] int64
     block_tables: torch.Tensor,  # [>= T, max_blocks] int32
     seq_lens: torch.Tensor,  # [>= T] int32
+    gguf_road: int = 0,  # the GGUF products' road (model_exec/layers/quantization/row_roads.py; 0: by row count)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the layer's MLP output, the residual stream), as `DecoderLayer.forward` returns them, for a step
     whose T rows are all decode rows."""
@@ -57,5 +58,6 @@ def decode_layer(
         slot_mapping,
         block_tables,
         seq_lens,
+        gguf_road,
     )
     return out, res

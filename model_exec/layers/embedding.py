@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_exec.layers import cpu_gemm, quantization
+from model_exec.layers.quantization import row_roads
 from model_exec.layers.quantization.base import copy_shard, release
-from model_exec.layers.quantization.gguf import gguf_linear, kernels_available
+from model_exec.layers.quantization.gguf import decode_pack, gguf_linear, kernels_available
 from model_exec.layers.quantization.gguf_tensor import BLOCK, Q8_0, GGUFTensor, dequantize_rows
 from model_exec.layers.quantization.int8 import quantize_q8_0
 from model_exec.parallel import TPGroup
@@ -121,6 +122,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # At most one of these is set, by pack_weights(): compute_logits' copy of the weight.
         self.panel_weight: torch.Tensor | None = None  # cpu_gemm.pack_panels layout
         self.packed_weight: torch.Tensor | None = None  # oneDNN's layout
+        self.gguf_packed: torch.Tensor | None = None  # GGUF blocks' integer-road copy (`gguf.decode_pack`)
 
     def pack_weights(self, panels: bool = True) -> bool:
         """Give compute_logits a packed copy of the weight (panels when `panels`, else oneDNN's
@@ -130,16 +132,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         more copy of the vocabulary matrix (113 MB for SmolLM2-135M); it halves the head's time at
         batch 64 on 2 cores. An untied head releases its dense weight, as linear layers do.
         """
-        if self.panel_weight is not None or self.packed_weight is not None or self.gguf_weight is not None:
+        if self.panel_weight is not None or self.packed_weight is not None or self.gguf_packed is not None:
             return True
         if self._tied_to is not None and self._tied_to.gguf_weight is not None:
             self.gguf_weight = self._tied_to.gguf_weight  # the same blocks, no copy
-            return True
-        if self._int8 and self.weight.shape[1] % BLOCK == 0 and kernels_available():
+        elif self.gguf_weight is None and self._int8 and self.weight.shape[1] % BLOCK == 0 and kernels_available():
             # int8: the head's own Q8_0 copy (a tied embedding keeps its floats for lookups, as with panels)
             self.gguf_weight = (Q8_0, quantize_q8_0(self.weight.data))
             if not self.tied:
                 release(self.weight)
+        if self.gguf_weight is not None:
+            # the integer road's copy (a tied head's lookups keep reading the embedding's blocks)
+            self.gguf_packed = decode_pack(self.gguf_weight[1], self.gguf_weight[0])
             return True
         copies = cpu_gemm.pack(self.weight, panels)
         if copies is None:
@@ -154,8 +158,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab_size] on rank 0; None on other ranks."""
-        if self.gguf_weight is not None:
-            local = gguf_linear(hidden, self.gguf_weight[1], self.gguf_weight[0])
+        if self.gguf_weight is not None:  # every row on the integer tiles: a row's logits never follow its neighbours'
+            qtype, raw = self.gguf_weight
+            local = gguf_linear(hidden, raw, qtype, self.gguf_packed, row_roads.INTEGER)
         else:
             local = cpu_gemm.linear(hidden, self.weight, self.panel_weight, self.packed_weight, None)
         gathered = self.tp.gather(local, dim=-1)

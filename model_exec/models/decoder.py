@@ -31,6 +31,7 @@ from model_exec.layers.activation import act_and_mul
 from model_exec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_exec.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_exec.layers.norm import GemmaRMSNorm, RMSNorm, per_head_norm
+from model_exec.layers.quantization import row_roads
 from model_exec.layers.rotary import RopeAngles, RotaryEmbedding
 from model_exec.models import fused_decode
 from model_exec.models.loading import (
@@ -272,8 +273,13 @@ class DecoderModel(nn.Module):
     def _decode_step_plans(
         self, hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
     ) -> list[fused_decode.LayerPlan] | None:
-        """The plans when this step can run one call per layer: every row a decode row, fp32 on the CPU."""
+        """The plans when this step can run one call per layer: every row a decode row, fp32 on the CPU, and
+        its rows' GGUF roads all one (a one-token prompt chunk beside generated rows runs the layers, which split
+        the rows by road: quantization/row_roads.py)."""
         if meta.num_decodes != hidden.shape[0] or hidden.dtype != torch.float32 or not hidden.is_cpu:
+            return None
+        roads = row_roads.for_rows(hidden.shape[0])
+        if roads is not None and roads.road == row_roads.BY_ROWS:
             return None
         if kv_caches[0][0].dtype != torch.float32:
             return None
@@ -297,11 +303,13 @@ class DecoderModel(nn.Module):
         plans = self._decode_step_plans(hidden, kv_caches, meta)
         if plans is not None:  # a decode step on the CPU road: one C++ call per layer, the same kernels' bits
             slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+            roads = row_roads.for_rows(hidden.shape[0])
+            gguf_road = row_roads.BY_ROWS if roads is None else roads.road
             for p, rotary, (key_cache, value_cache) in zip(plans, self.layer_rotary, kv_caches, strict=True):
                 rope = ropes[rotary]
                 hidden, residual = decode_layer(
                     hidden, residual, p.weights, p.plan, p.eps, p.scale, p.soft_cap, rope.cos, rope.sin,
-                    key_cache, value_cache, slots, tables, lens,
+                    key_cache, value_cache, slots, tables, lens, gguf_road,
                 )  # fmt: skip
         else:
             for layer, rotary, kv_cache in zip(self.layers, self.layer_rotary, kv_caches, strict=True):

@@ -10,8 +10,8 @@ What the op covers (the rest keeps the Python path, by an explicit check here or
 fused_decode_plan`): Llama's layer shape (pre-norm, fused q|k|v and gate|up, SiLU-gated MLP) with any
 RMSNorm weight vector (Gemma's 1 + w included), qkv/o/MLP biases, partial rotary, GQA, sliding windows and
 attention soft-caps, at tensor parallelism 1, on the `cpu` attention backend in float32; weights held as
-GGUF blocks (every kernel type, mixed-type layers too; Q4_0 / Q4_1 with their decode copies), int8's Q8_0
-blocks, or fp32 panels. Not covered:
+GGUF blocks (every kernel type, mixed-type layers too; Q4_0 / Q4_1 / Q8_0 with their decode copies), int8's
+Q8_0 blocks (and copies), or fp32 panels. Not covered:
 LoRA (its products are added by the layers' Python forward), MoE and non-SiLU MLPs, q/k norms, sandwich
 norms, TP > 1 (the all-reduce), oneDNN-packed or dense weights (`cpu_panel_gemm=False`, an unpacked model),
 fp8, and any step with a prefill row. `RAYTP_CPU_DECODE_LAYER=0` turns it off (A/B timing).
@@ -77,6 +77,8 @@ def linear_plan(layer: LinearBase) -> tuple[list[int], list[torch.Tensor]] | Non
             return [fused_decode.KIND_GGUF_PACKED, len(raws), *head, *qtypes], pairs + bias
         return [fused_decode.KIND_GGUF, len(raws), *head, *qtypes], raws + bias
     if isinstance(method, Int8LinearMethod) and method.blocks is not None:
+        if method.packed is not None:
+            return [fused_decode.KIND_GGUF_PACKED, 1, *head, Q8_0], [method.blocks, method.packed, *bias]
         return [fused_decode.KIND_GGUF, 1, *head, Q8_0], [method.blocks, *bias]
     if not isinstance(method, UnquantizedLinearMethod | GGUFLinearMethod):
         return None  # fp8 and any other method: its own product

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`, `../csrc/fused_layers.cpp`,
 `../csrc/panel_gemm.cpp`, `../csrc/kv_write.cpp`, `../csrc/gguf_gemm.cpp`, `../csrc/gguf_kquants.cpp`,
-`../csrc/gguf_q4x16.cpp`, `../csrc/decode_layer.cpp`), compiled into one library once per machine at first use
-and cached.
+`../csrc/gguf_q4x16.cpp`, `../csrc/gguf_q8x16.cpp`, `../csrc/decode_layer.cpp`), compiled into one library
+once per machine at first use and cached.
 
 `torch.utils.cpp_extension.load` builds the sources with the system's g++ and ninja into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so concurrent
@@ -56,6 +56,7 @@ _SOURCES = [
     Path(__file__).parents[1] / "csrc" / "gguf_dequant_gemm.cpp",  # its many-row (prefill) road
     Path(__file__).parents[1] / "csrc" / "gguf_q8_rows.cpp",  # its Q8_0 decode tile
     Path(__file__).parents[1] / "csrc" / "gguf_q4x16.cpp",  # its Q4_0 / Q4_1 decode road on a repacked layout
+    Path(__file__).parents[1] / "csrc" / "gguf_q8x16.cpp",  # its Q8_0 integer road on a repacked layout
     Path(__file__).parents[1] / "csrc" / "decode_layer.cpp",  # ops/fused_decode.py's one-call decoder layer
 ]
 # Headers the sources include: part of `build_name`'s hash, so an edited header builds anew too.
@@ -65,6 +66,7 @@ _HEADERS = [
     Path(__file__).parents[1] / "csrc" / "gguf_dequant_gemm.h",
     Path(__file__).parents[1] / "csrc" / "gguf_q8_rows.h",
     Path(__file__).parents[1] / "csrc" / "gguf_q4x16.h",
+    Path(__file__).parents[1] / "csrc" / "gguf_q8x16.h",
 ]
 # Every op the sources register: the library counts as loaded only when all of them are there.
 _OPS = (
@@ -79,6 +81,7 @@ _OPS = (
     "write_kv_cache",
     "gguf_linear",
     "gguf_q4x16_pack",
+    "gguf_q8x16_pack",
     "decode_layer",
 )
 

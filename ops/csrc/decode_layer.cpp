@@ -56,7 +56,7 @@ struct Ops {
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                                 int64_t, double, const Tensor&)>
       paged_decode_attention;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&)> gguf_linear;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&, int64_t)> gguf_linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panel_linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panel_linear_silu_mul;
 };
@@ -75,7 +75,7 @@ const Ops& ops() {
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("raytp_cpu::write_kv_cache"),
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t, double,
                 const Tensor&)>("raytp_cpu::paged_decode_attention"),
-      find<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&)>("raytp_cpu::gguf_linear"),
+      find<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&, int64_t)>("raytp_cpu::gguf_linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::panel_linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::panel_linear_silu_mul"),
   };
@@ -127,14 +127,15 @@ struct Cursor {
   }
 };
 
-// x [T, in] -> x W^T (+ bias) [T, out_features], as the layer's quantization method's `apply` computes it.
-Tensor linear(const Linear& l, const Tensor& x) {
+// x [T, in] -> x W^T (+ bias) [T, out_features], as the layer's quantization method's `apply` computes it; GGUF
+// blocks on `road` (gguf_dequant_gemm.h's kRoad*).
+Tensor linear(const Linear& l, const Tensor& x, int64_t road) {
   const Ops& o = ops();
   Tensor y;
   const int64_t stride = l.kind == kKindGguf16 ? 2 : 1;  // tensors per segment
   const auto segment = [&](int64_t s) {
     return o.gguf_linear.call(x, l.weights[stride * s], l.qtypes[s],
-                              stride == 2 ? std::optional<Tensor>(l.weights[2 * s + 1]) : std::nullopt);
+                              stride == 2 ? std::optional<Tensor>(l.weights[2 * s + 1]) : std::nullopt, road);
   };
   if (l.kind == kKindPanels) {
     y = o.panel_linear.call(x, l.weights[0], l.out_features);
@@ -159,7 +160,7 @@ std::tuple<Tensor, Tensor> decode_layer(const Tensor& hidden, const std::optiona
                                         c10::ArrayRef<Tensor> weights, c10::ArrayRef<int64_t> plan, double eps,
                                         double scale, double soft_cap, const Tensor& cos, const Tensor& sin,
                                         const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
-                                        const Tensor& block_tables, const Tensor& seq_lens) {
+                                        const Tensor& block_tables, const Tensor& seq_lens, int64_t gguf_road) {
   const Ops& o = ops();
   Cursor c{plan, weights};
   const int64_t num_heads = c.next_int(), num_kv_heads = c.next_int(), head_dim = c.next_int();
@@ -188,7 +189,7 @@ std::tuple<Tensor, Tensor> decode_layer(const Tensor& hidden, const std::optiona
   }
 
   // attention: q|k rotated in place in the projection's own output, k/v written, decode rows attended
-  const Tensor qkv = linear(qkv_proj, h);
+  const Tensor qkv = linear(qkv_proj, h, gguf_road);
   const Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   o.rotate_half_rope.call(rotary_dim == head_dim ? qk : qk.narrow(2, 0, rotary_dim), cos, sin);
   const Tensor q = qk.narrow(1, 0, num_heads);
@@ -198,7 +199,7 @@ std::tuple<Tensor, Tensor> decode_layer(const Tensor& hidden, const std::optiona
   const Tensor attn = at::empty({tokens, num_heads, head_dim}, hidden.options());
   o.paged_decode_attention.call(q, key_cache, value_cache, block_tables.narrow(0, 0, tokens),
                                 seq_lens.narrow(0, 0, tokens), scale, window, soft_cap, attn);
-  const Tensor attn_out = linear(o_proj, attn.view({tokens, q_size}));
+  const Tensor attn_out = linear(o_proj, attn.view({tokens, q_size}), gguf_road);
 
   // MLP: residual += attention output; normed; gated SiLU; down
   o.fused_add_rms_norm.call(attn_out, res, w_post, eps);
@@ -207,11 +208,11 @@ std::tuple<Tensor, Tensor> decode_layer(const Tensor& hidden, const std::optiona
     TORCH_CHECK(gate_up.kind == kKindPanels && gate_up.bias == nullptr, "decode_layer: fused SiLU needs bias-free panels");
     act = o.panel_linear_silu_mul.call(attn_out, gate_up.weights[0], gate_up.out_features / 2);
   } else {
-    const Tensor gu = linear(gate_up, attn_out);
+    const Tensor gu = linear(gate_up, attn_out, gguf_road);
     act = at::empty({tokens, gate_up.out_features / 2}, hidden.options());
     o.silu_and_mul.call(act, gu);
   }
-  return {linear(down, act), res};
+  return {linear(down, act, gguf_road), res};
 }
 
 }  // namespace
@@ -220,7 +221,7 @@ TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) {
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, int[] plan, float eps, float scale, "
       "float soft_cap, Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens) -> (Tensor, Tensor)");
+      "Tensor block_tables, Tensor seq_lens, int gguf_road=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -229,8 +229,10 @@ RAYTP_DQ void run(int64_t qtype, const float* x, int64_t ldx, int64_t rows, int6
 
 }  // namespace
 
-bool dequant_road(int64_t rows) {
+bool dequant_road(int64_t rows, int64_t road) {
+  TORCH_CHECK(road == kRoadByRows || road == kRoadInteger || road == kRoadDequant, "gguf_linear: unknown road ", road);
 #if defined(__AVX2__) && defined(__FMA__)
+  if (road != kRoadByRows) return road == kRoadDequant && use_avx512();
   const char* env = std::getenv("RAYTP_GGUF_DEQUANT_ROWS");
   const int64_t from = env != nullptr && std::atoll(env) > 0 ? std::atoll(env) : kDequantRows;
   return rows >= from && use_avx512();

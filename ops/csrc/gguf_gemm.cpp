@@ -22,10 +22,12 @@
 // Two other roads (measured, docs/benchmarks.md): from kDequantRows (16) rows of x, with AVX-512F, the call goes to
 // gguf_dequant_gemm.cpp (W dequantized per 32-feature chunk into fp32 panels, FMA tiles: the integer tiles below
 // cost ~1.6x the fp32 panels' instructions per weight and row, so a 128-token prefill ran at ~0.4x the fp32
-// model's rate); and the rows a Q8_0 matrix leaves after the 4-row tiles (a decode step) run gguf_q8_rows.cpp's
-// one-row tile. Both keep this function's signature; q4layer's fused decoder calls it as an op. A third: the decode
-// rows of a Q4_0 / Q4_1 layer given its copy repacked at load (`packed`, gguf_q4x16.cpp: 16 features per vpdpbusd,
-// ~2.3x fewer instructions per layer) run on that copy, with these tiles' bits.
+// model's rate); and with AVX-512 VNNI a Q8_0 matrix's rows run gguf_q8_rows.cpp's tiles. Both keep this function's
+// signature; the fused decoder layer (decode_layer.cpp) calls it as an op. A third: the integer rows of a Q4_0 /
+// Q4_1 layer given its copy repacked at load (`packed`, gguf_q4x16.cpp: 16 features per vpdpbusd, ~2.3x fewer
+// instructions per layer) run on that copy, with these tiles' bits. The caller may name the road (`road`,
+// gguf_dequant_gemm.h): the engine picks it by each row's kind, and on either road a row's bits do not depend
+// on the other rows of the call (tests/ops/test_gguf_row_roads.py).
 //
 // Work split: threads take ranges of output features (each reads only its share of W, in file order); inside,
 // a chunk of kChunk output rows (a few KB of W, kept in L1/L2) is run against every tile of kRows rows of x.
@@ -57,6 +59,7 @@
 #include "gguf_dequant_gemm.h"
 #include "gguf_kquants.h"
 #include "gguf_q4x16.h"
+#include "gguf_q8x16.h"
 #include "gguf_q8_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -109,6 +112,7 @@ constexpr bool kTwoByteX = Q == kQ4_0 || Q == kQ4_1;
 struct QuantX {
   std::vector<int8_t> q, r;
   std::vector<float> d, s, c8;
+  std::vector<int32_t> qs;  // [M, nb] the sum of the grid values per block (the Q8_0 packed kernel's offset)
   // the AVX-512 VNNI pair tiles' copies (`interleave_pairs`): filled only when those tiles run
   std::vector<int8_t> qv, rv;
   std::vector<float> dx8, e8;
@@ -117,7 +121,7 @@ struct QuantX {
 };
 
 // r == nullptr: one byte per x; else two (q the high, r the low byte of X)
-void quantize_row(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d, float* s, float* c8) {
+void quantize_row(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d, float* s, float* c8, int32_t* qs) {
   for (int64_t b = 0; b < k_len / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f, sum = 0.f;
@@ -144,6 +148,7 @@ void quantize_row(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d,
     d[b] = step;
     s[b] = sum;
     c8[b] = 8.f * step * static_cast<float>(isum);
+    qs[b] = isum;
   }
 }
 
@@ -214,8 +219,8 @@ void tile(const QuantX& qx, int64_t m0, int64_t k_len, const uint8_t* w, int64_t
 // One vpdpbusd multiplies 64 weight bytes with 64 activation bytes and sums them 4 by 4: two blocks at once.
 // Both operands are laid out per pair of blocks (b0, b1) as [b0 0..15 | b1 0..15 | b0 16..31 | b1 16..31]:
 // that is how two Q4 blocks unpack with one mask/shift over both (low nibbles, then high), so the 16 int32
-// sums fold into 8 (lanes 0-3: b0, 4-7: b1) with one add, and each lane takes its block's scale. Q8_0's
-// signed weights go in as |w| with x carrying w's sign (vpdpbusd multiplies unsigned by signed bytes).
+// sums fold into 8 (lanes 0-3: b0, 4-7: b1) with one add, and each lane takes its block's scale. (Q8_0 runs
+// gguf_q8_rows.cpp's tiles instead: its pair is more than one load.)
 #define RAYTP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 bool use_vnni() {
@@ -264,7 +269,8 @@ RAYTP_VNNI inline float half_f16c(const uint8_t* p) {
 // quantize_row in AVX-512: the same grid values (x * inv rounded half to even, as nearbyint under the default
 // rounding mode), d and c8; only s, the float sum of x, is summed in another order (a float rounding apart).
 // A decode step quantizes x ~121 times a token and the scalar loop was most of a small matrix's call.
-RAYTP_VNNI void quantize_row_avx512(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d, float* s, float* c8) {
+RAYTP_VNNI void quantize_row_avx512(const float* x, int64_t k_len, int8_t* q, int8_t* r, float* d, float* s, float* c8,
+                                    int32_t* qs) {
   for (int64_t b = 0; b < k_len / kBlock; ++b) {
     const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -287,17 +293,10 @@ RAYTP_VNNI void quantize_row_avx512(const float* x, int64_t k_len, int8_t* q, in
     }
     d[b] = step;
     s[b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-    c8[b] = 8.f * step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1)));
+    const int32_t isum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+    c8[b] = 8.f * step * static_cast<float>(isum);
+    qs[b] = isum;
   }
-}
-
-// Q8_0's pair (68 bytes, more than one load) in that layout.
-RAYTP_VNNI inline __m512i unpack_q8_pair(const uint8_t* b0, const uint8_t* b1) {
-  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2));
-  const __m256i lo = _mm256_permute2x128_si256(w0, w1, 0x20);
-  const __m256i hi = _mm256_permute2x128_si256(w0, w1, 0x31);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
 // Q4_0 / Q4_1 pairs from one load: the pair's 36 / 40 bytes come in one masked 64-byte load (fault-free past the
@@ -346,7 +345,8 @@ RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uin
                           int64_t n0, int64_t n1, float* out, int64_t n_out) {
   const int64_t nb = k_len / kBlock, np = nb / 2;
   const int64_t bb = block_bytes(Q);
-  const __m512i nib_idx = nibble_words<Q == kQ8_0 ? kQ4_1 : Q>(), scale_idx = scale_words<Q == kQ8_0 ? kQ4_1 : Q>();
+  static_assert(Q == kQ4_0 || Q == kQ4_1, "Q8_0 runs gguf_q8_rows.cpp's tiles");
+  const __m512i nib_idx = nibble_words<Q>(), scale_idx = scale_words<Q>();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[R], accm[R];
@@ -359,23 +359,13 @@ RAYTP_VNNI void tile_vnni(const QuantX& qx, int64_t m0, int64_t k_len, const uin
     for (int64_t p = 0; p < np; ++p) {
       const uint8_t* b0 = wr + 2 * p * bb;
       _mm_prefetch(reinterpret_cast<const char*>(b0 + kAhead), _MM_HINT_T0);
-      __m256 dw8, m8 = _mm256_setzero_ps();
+      __m256 dw8, m8;
       __m512i wv;
-      __mmask64 neg = 0;
-      if constexpr (Q == kQ8_0) {
-        const uint8_t* b1 = b0 + bb;
-        dw8 = _mm256_set_m128(_mm_set1_ps(half_f16c(b1)), _mm_set1_ps(half_f16c(b0)));
-        wv = unpack_q8_pair(b0, b1);
-        neg = _mm512_movepi8_mask(wv);
-        wv = _mm512_abs_epi8(wv);
-      } else {
-        load_q4_pair<Q>(b0, nib_idx, scale_idx, wv, dw8, m8);
-      }
+      load_q4_pair<Q>(b0, nib_idx, scale_idx, wv, dw8, m8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
-        __m512i xv = _mm512_loadu_si512(qx.qv.data() + row * k_len + p * 64);
-        if constexpr (Q == kQ8_0) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512i xv = _mm512_loadu_si512(qx.qv.data() + row * k_len + p * 64);
         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
         if constexpr (kTwoByteX<Q>)
           s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), wv, _mm512_loadu_si512(qx.rv.data() + row * k_len + p * 64));
@@ -516,12 +506,13 @@ void run(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* w, int64_
       int64_t m = 0;
 #if defined(__AVX2__) && defined(__FMA__)
       if (qx.vnni) {
-        for (; m + kRows <= rows; m += kRows) tile_vnni<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
-        for (; m < rows; ++m) {
-          if constexpr (Q == kQ8_0)  // its own one-row tile (gguf_q8_rows.cpp): a Q8_0 pair is more than one load
-            raytp::q8_0_row(qx.q.data() + m * k_len, qx.d.data() + m * (k_len / kBlock), k_len, w, row_bytes, n0, n1,
-                            out + m * n_out, 1);
-          else {
+        if constexpr (Q == kQ8_0) {
+          // gguf_q8_rows.cpp's tiles (a Q8_0 pair is more than one load), whose row bits do not depend on the row
+          // count: the pair tile's did (its blocks summed in another order than the one-row tile's)
+          raytp::q8_0_rows(qx.q.data(), qx.d.data(), rows, k_len, w, row_bytes, n0, n1, out, n_out);
+        } else {
+          for (; m + kRows <= rows; m += kRows) tile_vnni<Q, kRows>(qx, m, k_len, w, row_bytes, n0, n1, out, n_out);
+          for (; m < rows; ++m) {
             int64_t n = n0;
             for (; n + kFeatures <= n1; n += kFeatures) q4_row_features<Q>(qx, m, k_len, w, row_bytes, n, out + m * n_out + n);
             tile_vnni<Q, 1>(qx, m, k_len, w, row_bytes, n, n1, out, n_out);
@@ -550,8 +541,22 @@ void run_q4x16(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* pac
   });
 }
 
-// packed: the layer's copy from gguf_q4x16_pack (Q4_0 / Q4_1), taken by the decode road where given and non-empty.
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& packed) {
+// A Q8_0 matrix's rows on its packed copy (gguf_q8x16.cpp), as run_q4x16 runs the Q4 layers'.
+void run_q8x16(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* packed, int64_t n_out, float* out) {
+  const int64_t nb = k_len / kBlock;
+  at::parallel_for(0, n_out / raytp::kX16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t m = 0; m < rows; ++m)
+        raytp::q8x16_row(qx.q.data() + m * k_len, qx.d.data() + m * nb, qx.qs.data() + m * nb, k_len, packed, g, g + 1,
+                         out + m * n_out);
+  });
+}
+
+// packed: the matrix's copy from gguf_q4x16_pack (Q4_0 / Q4_1) or gguf_q8x16_pack (Q8_0), taken by the integer road
+// where given and non-empty.
+// road: gguf_dequant_gemm.h's kRoad* (which road the rows take; kRoadByRows: by their count).
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& packed,
+                       int64_t road) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "gguf_linear: x [M, K] and w [N, row bytes] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "gguf_linear: float32 x, uint8 w");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "gguf_linear: x needs a contiguous last dim, w must be contiguous");
@@ -562,7 +567,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
               " is not a multiple of 256 (a K-quant super-block)");
   const int64_t row_bytes = super_bytes ? k_len / raytp::kSuper * super_bytes : k_len / kBlock * block_bytes(qtype);
   TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: w rows hold ", w.size(1), " bytes, K = ", k_len, " needs ", row_bytes);
-  if (raytp::dequant_road(rows)) {  // a prefill chunk: W dequantized per chunk, fp32 FMA tiles
+  if (raytp::dequant_road(rows, road)) {  // a prefill chunk: W dequantized per chunk, fp32 FMA tiles
     at::Tensor out = at::empty({rows, n_out}, x.options());
     raytp::gguf_dequant_linear(qtype, x.data_ptr<float>(), x.stride(0), rows, k_len, w.data_ptr<uint8_t>(), row_bytes,
                                n_out, out.data_ptr<float>());
@@ -580,6 +585,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   qx.d.resize(rows * nb);
   qx.s.resize(rows * nb);
   qx.c8.resize(rows * nb);
+  qx.qs.resize(rows * nb);
   qx.two = two_bytes;
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
@@ -587,15 +593,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #if defined(__AVX2__) && defined(__FMA__)
   vnni = super_bytes == 0 && use_vnni();  // the K-quant kernels read qx as it is
 #endif
-  // The pair layout feeds the VNNI pair tiles; Q8_0 rows short of a 4-row tile run gguf_q8_rows.cpp on q as it is.
+  // The pair layout feeds the VNNI pair tiles (Q4_0 / Q4_1 on the file's rows).
   const bool x16 = vnni && packed.has_value() && packed->numel() > 0;
   if (x16) {
-    TORCH_CHECK((qtype == kQ4_0 || qtype == kQ4_1) && n_out % raytp::kX16 == 0 && packed->is_contiguous() &&
-                    packed->scalar_type() == at::kByte && packed->size(0) == n_out / raytp::kX16 &&
-                    packed->size(1) == nb * raytp::q4x16_block_bytes(qtype),
+    const int64_t packed_block = qtype == kQ8_0 ? raytp::kQ8x16BlockBytes : raytp::q4x16_block_bytes(qtype);
+    TORCH_CHECK((qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ4_1) && n_out % raytp::kX16 == 0 &&
+                    packed->is_contiguous() && packed->scalar_type() == at::kByte &&
+                    packed->size(0) == n_out / raytp::kX16 && packed->size(1) == nb * packed_block,
                 "gguf_linear: the packed copy does not match w");
   }
-  const bool pairs = vnni && !x16 && (qtype != kQ8_0 || rows >= kRows);
+  const bool pairs = vnni && !x16 && qtype != kQ8_0;  // Q8_0 runs gguf_q8_rows.cpp's tile on q as it is
   qx.vnni = vnni;
   if (pairs) {
     qx.qv.resize(rows * k_len);
@@ -609,11 +616,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #if defined(__AVX2__) && defined(__FMA__)
       if (vnni)
         quantize_row_avx512(xp + m * ldx, k_len, qx.q.data() + m * k_len, r, qx.d.data() + m * nb, qx.s.data() + m * nb,
-                            qx.c8.data() + m * nb);
+                            qx.c8.data() + m * nb, qx.qs.data() + m * nb);
       else
 #endif
         quantize_row(xp + m * ldx, k_len, qx.q.data() + m * k_len, r, qx.d.data() + m * nb, qx.s.data() + m * nb,
-                     qx.c8.data() + m * nb);
+                     qx.c8.data() + m * nb, qx.qs.data() + m * nb);
 #if defined(__AVX2__) && defined(__FMA__)
       if (pairs) interleave_pairs(qx, m, k_len, qtype);
 #endif
@@ -623,7 +630,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (x16) {
-    run_q4x16(qx, rows, k_len, packed->data_ptr<uint8_t>(), qtype, n_out, op);
+    if (qtype == kQ8_0) run_q8x16(qx, rows, k_len, packed->data_ptr<uint8_t>(), n_out, op);
+    else run_q4x16(qx, rows, k_len, packed->data_ptr<uint8_t>(), qtype, n_out, op);
     return out;
   }
   switch (qtype) {
@@ -641,6 +649,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) { m.def("gguf_linear(Tensor x, Tensor w, int qtype, Tensor? packed=None) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) { m.def("gguf_linear(Tensor x, Tensor w, int qtype, Tensor? packed=None, int road=0) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("gguf_linear", &gguf_linear); }

@@ -17,8 +17,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf.quants import quantize  # noqa: E402
 
-from model_exec.layers.quantization.gguf import gguf_linear, kernels_available  # noqa: E402
+from model_exec.layers.quantization.gguf import decode_pack, gguf_linear, kernels_available  # noqa: E402
 from model_exec.layers.quantization.gguf_tensor import GGUFTensor, dequantize_rows  # noqa: E402
+from model_exec.layers.quantization.row_roads import INTEGER  # noqa: E402
 from tests.helpers.gguf_road import DEQUANT_ROWS, ROADS, has_dequant_road, take_road  # noqa: E402
 from tests.helpers.isa import needs_avx512, rerun_on_avx2  # noqa: E402
 
@@ -72,6 +73,25 @@ def test_gguf_linear_matches_the_dequantized_reference(
     # x's rounding: int8's 1/254 of a block's range, or 16 bits' 1/65024
     bound = 1e-4 if int(qtype) in TWO_BYTE_X else 0.03  # type: ignore[call-overload]
     assert float((y - reference).abs().max()) <= bound * float(reference.abs().max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 64])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 576), (32, 1536), (16, 224)])
+def test_q8_0s_packed_copy_matches_the_reference(rows: int, n: int, k: int) -> None:
+    """The Q8_0 integer road on its repacked copy (ops/csrc/gguf_q8x16.cpp): the exact model of the integer
+    arithmetic to float32 rounding, the dequantized product to x's int8 rounding; a column cut (tensor-parallel
+    slice, 16-row multiples) packed on its own gives the whole product's columns, bit for bit."""
+    w = _blocks(n, k, gguf.GGMLQuantizationType.Q8_0, seed=n + k)
+    packed = decode_pack(w.raw, w.qtype)
+    if packed is None:
+        pytest.skip("the packed Q8_0 road needs AVX-512 VNNI")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = gguf_linear(x, w.raw, w.qtype, packed, INTEGER)
+    torch.testing.assert_close(y, _emulated(x, w), rtol=1e-4, atol=1e-4 * float(y.abs().max()))
+    reference = x @ w.dequantize().T
+    assert float((y - reference).abs().max()) <= 0.03 * float(reference.abs().max())
+    first = w.raw[:16].contiguous()
+    assert torch.equal(gguf_linear(x, first, w.qtype, decode_pack(first, w.qtype), INTEGER), y[:, :16])
 
 
 @pytest.mark.parametrize("road", ROADS)

@@ -94,8 +94,10 @@ def test_what_has_no_packed_layout_keeps_the_file_alone() -> None:
     q4 = _blocks(16, 64, gguf.GGMLQuantizationType.Q4_1, seed=1)
     _packed(q4)  # skips where the CPU has no VNNI
     assert decode_pack(_blocks(24, 64, gguf.GGMLQuantizationType.Q4_1, seed=1).raw, q4.qtype) is None  # N % 16
-    q8 = _blocks(16, 64, gguf.GGMLQuantizationType.Q8_0, seed=1)
-    assert decode_pack(q8.raw, q8.qtype) is None
+    q8 = _blocks(24, 64, gguf.GGMLQuantizationType.Q8_0, seed=1)
+    assert decode_pack(q8.raw, q8.qtype) is None  # N % 16 (Q8_0's own copy: gguf_q8x16.cpp)
+    with pytest.raises(RuntimeError, match="packed copy does not match"):  # a Q4 copy given to Q8_0 rows
+        gguf_linear(torch.randn(1, 64), q8.raw[:16].contiguous(), q8.qtype, _packed(q4))
     other = _blocks(32, 64, gguf.GGMLQuantizationType.Q4_1, seed=3)
     with pytest.raises(RuntimeError, match="packed copy does not match"):
         gguf_linear(torch.randn(1, 64), other.raw, other.qtype, _packed(q4))

@@ -8,10 +8,11 @@ loading, joins runs of the same type into segments: one kernel call per segment,
 A layer any of whose rows came as floats (a type without a kernel, a tensor-parallel cut between blocks)
 runs dequantized as one float matrix, exactly as without this method.
 
-Q4_0 / Q4_1 segments also get a copy repacked for the decode step (`ops/csrc/gguf_q4x16.cpp`: 16 output
-features interleaved per block, ~3x fewer instructions per weight than the file's layout) where the CPU has
-AVX-512 VNNI and the segment's rows are a multiple of 16; the file's rows stay for prefill (the dequantizing
-road) and as the reference. `RAYTP_GGUF_DECODE_PACK=0` (read at load) keeps the file's layout alone (A/B timing).
+Q4_0 / Q4_1 / Q8_0 segments also get a copy repacked for the integer road (`ops/csrc/gguf_q4x16.cpp`,
+`gguf_q8x16.cpp`: 16 output features interleaved per block, ~3x fewer instructions per weight than the file's
+layout) where the CPU has AVX-512 VNNI and the segment's rows are a multiple of 16; the file's rows stay for the
+prompt rows (the dequantizing road) and as the reference. Which rows take which road is their kind's
+(`row_roads`). `RAYTP_GGUF_DECODE_PACK=0` (read at load) keeps the file's layout alone (A/B timing).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import torch
 from torch import nn
 
+from model_exec.layers.quantization import row_roads
 from model_exec.layers.quantization.base import (
     LinearLayer,
     QuantizationConfig,
@@ -28,7 +30,7 @@ from model_exec.layers.quantization.base import (
     UnquantizedLinearMethod,
     release,
 )
-from model_exec.layers.quantization.gguf_tensor import GGUFTensor
+from model_exec.layers.quantization.gguf_tensor import Q8_0, GGUFTensor
 from ops.attention import cpu_kernels
 
 
@@ -37,22 +39,46 @@ def kernels_available() -> bool:
     return cpu_kernels.load_error() is None and cpu_kernels.vectorized()
 
 
-def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, packed: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    qtype: int,
+    packed: torch.Tensor | None = None,
+    road: int = row_roads.BY_ROWS,
+) -> torch.Tensor:
     """x [..., K] @ W^T for W's rows `raw` [N, bytes] in GGML type `qtype`'s block layout; `packed`: their
-    `decode_pack` copy, which the decode rows read instead."""
+    `decode_pack` copy, which the integer road reads instead; `road`: `row_roads`' INTEGER, DEQUANT or BY_ROWS
+    (the call's row count picks)."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if rows.dtype != torch.float32:
         raise ValueError(f"GGUF block weights multiply float32 activations, got {rows.dtype}")
-    y = torch.ops.raytp_cpu.gguf_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), raw, qtype, packed)
+    y = torch.ops.raytp_cpu.gguf_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), raw, qtype, packed, road)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])
+
+
+def gguf_rows_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, packed: torch.Tensor | None) -> torch.Tensor:
+    """`gguf_linear` of a decoder layer's rows, each on its kind's road (`row_roads`): a step of one kind in one
+    call, a mixed step (a prompt chunk beside decode rows) as two calls whose rows are scattered back."""
+    roads = row_roads.for_rows(x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1])
+    if roads is None or roads.road != row_roads.BY_ROWS:
+        return gguf_linear(x, raw, qtype, packed, row_roads.BY_ROWS if roads is None else roads.road)
+    assert roads.generated is not None and roads.prompt is not None
+    rows = x.reshape(-1, x.shape[-1])
+    y = rows.new_empty(rows.shape[0], raw.shape[0])
+    y[roads.generated] = gguf_linear(rows[roads.generated], raw, qtype, packed, row_roads.INTEGER)
+    y[roads.prompt] = gguf_linear(rows[roads.prompt], raw, qtype, packed, row_roads.DEQUANT)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])
 
 
 def decode_pack(raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
-    """The decode step's repacked copy of a segment's rows (Q4_0 / Q4_1, rows a multiple of 16, AVX-512 VNNI),
-    else None."""
+    """The integer road's repacked copy of a segment's rows (Q4_0 / Q4_1: `gguf_q4x16.cpp`, Q8_0: `gguf_q8x16.cpp`;
+    rows a multiple of 16, AVX-512 VNNI), else None."""
     if os.environ.get("RAYTP_GGUF_DECODE_PACK", "1") == "0":
         return None
-    packed = torch.ops.raytp_cpu.gguf_q4x16_pack(raw, qtype)
+    if qtype == Q8_0:
+        packed = torch.ops.raytp_cpu.gguf_q8x16_pack(raw)
+    else:
+        packed = torch.ops.raytp_cpu.gguf_q4x16_pack(raw, qtype)
     return packed if packed.numel() > 0 else None
 
 
@@ -125,10 +151,10 @@ class GGUFLinearMethod(QuantizeMethodBase):
             raise RuntimeError("a GGUF linear layer ran before its weights were loaded and processed")
         if len(self.segments) == 1:  # the usual layer: one type throughout, one kernel call
             qtype, raw = self.segments[0]
-            y = gguf_linear(x, raw, qtype, self.packed[0])
+            y = gguf_rows_linear(x, raw, qtype, self.packed[0])
         else:
             parts = zip(self.segments, self.packed, strict=True)
-            y = torch.cat([gguf_linear(x, raw, qtype, packed) for (qtype, raw), packed in parts], dim=-1)
+            y = torch.cat([gguf_rows_linear(x, raw, qtype, packed) for (qtype, raw), packed in parts], dim=-1)
         return y if bias is None else y.add_(bias)
 
 

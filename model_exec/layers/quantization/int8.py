@@ -3,8 +3,9 @@
 Each linear layer's rows load as floats (the same loaders and TP sharding as unquantized), then
 `process_weights_after_loading` quantizes them per group of 32 input features with an fp16 scale: exactly
 GGUF's Q8_0 block (`d = max|w| / 127`, `q = round(w / d)`), so the product runs on the same block kernel
-(`ops/csrc/gguf_gemm.cpp`: a decode row on `gguf_q8_rows.cpp`'s tile, a prefill chunk dequantized to fp32
-panels by `gguf_dequant_gemm.cpp`) and reads 1.06 bytes per weight instead of 4. Per-group rather than
+(`ops/csrc/gguf_gemm.cpp`: a generated row on the integer road, `gguf_q8x16.cpp`'s repacked copy where the CPU
+has AVX-512 VNNI, a prompt row dequantized to fp32 panels by `gguf_dequant_gemm.cpp`) and reads 1.06 bytes per
+weight instead of 4. Per-group rather than
 per-output-channel scales: one scale per 32 weights follows outliers inside a row that a per-row scale
 cannot, at 6% more bytes. A layer whose rank-local input size is not a multiple of 32 stays in floats (logged).
 LoRA adapters add their products on top as on float weights (the layer's forward, not the method).
@@ -17,7 +18,7 @@ import logging
 import torch
 
 from model_exec.layers.quantization.base import LinearLayer, QuantizationConfig, UnquantizedLinearMethod, release
-from model_exec.layers.quantization.gguf import gguf_linear, kernels_available
+from model_exec.layers.quantization.gguf import decode_pack, gguf_rows_linear, kernels_available
 from model_exec.layers.quantization.gguf_tensor import BLOCK, Q8_0, GGUFTensor
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 
     def __init__(self) -> None:
         self.blocks: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # the blocks' integer-road copy (`gguf.decode_pack`)
 
     def process_weights_after_loading(self, layer: LinearLayer, panels: bool) -> bool:
         if self.blocks is not None:
@@ -50,13 +52,14 @@ class Int8LinearMethod(UnquantizedLinearMethod):
             logger.info("int8: a layer with %d input features per rank stays in float32", in_features)
             return super().process_weights_after_loading(layer, panels)
         self.blocks = quantize_q8_0(layer.weight.data)
+        self.packed = decode_pack(self.blocks, Q8_0)
         release(layer.weight)
         return True
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.blocks is None:
             return super().apply(layer, x, bias)
-        y = gguf_linear(x, self.blocks, Q8_0)
+        y = gguf_rows_linear(x, self.blocks, Q8_0, self.packed)
         return y if bias is None else y.add_(bias)
 
     def dequantized(self) -> torch.Tensor:
