@@ -128,7 +128,8 @@ def test_a_type_without_kernel_runs_dequantized(tmp_path: Path, caplog: pytest.L
 def test_quantization_setting() -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
     assert isinstance(select_quantization("gguf", "gguf", cpu, f32), GGUFConfig)
-    assert select_quantization(None, "gguf", cpu, f32) is None  # opt-in: select_quantization's decision
+    assert isinstance(select_quantization(None, "gguf", cpu, f32), GGUFConfig)  # the default: blocks kept
+    assert select_quantization(None, "gguf", cpu, torch.bfloat16) is None  # unasked: dequantized where they cannot run
     assert select_quantization("none", "gguf", cpu, f32) is None
     assert select_quantization(None, "safetensors", cpu, f32) is None
     with pytest.raises(ValueError, match="gguf"):

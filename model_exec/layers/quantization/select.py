@@ -25,21 +25,22 @@ def select_quantization(
 ) -> QuantizationConfig | None:
     """The config the model's layers are built under (None: float weights).
 
-    `setting` is EngineConfig.quantization: None and "none" load float weights (a GGUF dequantized); "gguf"
-    keeps a GGUF's blocks, refused by name where it cannot run (never a silent float fallback); "int8"
-    quantizes a float checkpoint's linear layers at load (the same refusal). "fp8" quantizes them to FP8 on a
-    CUDA device of compute capability >= 8.9 in bfloat16 (`fp8.refusal` names why not elsewhere).
+    `setting` is EngineConfig.quantization: None keeps a GGUF's blocks where they run (the CPU in float32 with
+    the AVX2 kernel build; elsewhere the file loads dequantized, said in one log line) and loads any other
+    checkpoint's floats; "none" loads float weights (a GGUF dequantized: the reference the kernels are tested
+    against); "gguf" keeps a GGUF's blocks, refused by name where it cannot run (never a silent float fallback);
+    "int8" quantizes a float checkpoint's linear layers at load (the same refusal). "fp8" quantizes them to FP8
+    on a CUDA device of compute capability >= 8.9 in bfloat16 (`fp8.refusal` names why not elsewhere).
 
     `checkpoint_config` is config.json's `quantization_config`: a pre-quantized FP8 checkpoint runs as "fp8"
     whether the setting says so or is unset (vLLM's behaviour); any other setting, or a format raytp cannot
     load, is refused by name (`fp8_checkpoint.checkpoint_fp8`).
 
-    Decision: kept-in-blocks is opt-in, not the GGUF default, while the block kernel's bits depend on the batch
-    (a step's row count picks its road: integer tiles under RAYTP_GGUF_DEQUANT_ROWS rows, the dequantized
-    panels from there, so chunked prefill, preemption or a neighbour's prompt change a seeded sample), where the
-    float path gives the same bits whatever the batching. Its speed no longer holds it back: measured on the
-    idle machine, one stream of the Q4_1 default decodes at 3.68x the dequantized fp32 and prefills at 0.92x
-    (docs/benchmarks.md, 2026-11-29)."""
+    Decision: a GGUF keeps its blocks by default, as vLLM runs a GGUF quantized. Each row's road through the
+    block kernels is its kind's (`row_roads`: generated tokens the integer tiles, prompt tokens the dequantized
+    panels), so a seeded sample does not follow its neighbours. Measured on the idle machine (docs/benchmarks.md):
+    one stream of the Q4_1 default decodes at 3.7x the dequantized fp32 and prefills at 0.92x; offline with 32
+    concurrent requests it runs at 0.95x."""
     prequantized = checkpoint_fp8(checkpoint_config)
     if prequantized is not None:
         if setting not in (None, "fp8"):
@@ -48,18 +49,24 @@ def select_quantization(
                 "leave quantization unset or pass 'fp8'"
             )
         setting = "fp8"
-    if setting in (None, "none"):
-        if setting is None and source_kind == "gguf":
-            logger.info("GGUF weights load dequantized to %s; quantization='gguf' keeps their blocks", dtype)
+    gguf_runs = device.type == "cpu" and dtype == torch.float32 and kernels_available()
+    if setting is None and source_kind == "gguf":
+        if gguf_runs:
+            return GGUFConfig()
+        logger.info(
+            "GGUF weights load dequantized to %s: the block kernels run on the CPU in float32 (here: %s, %s)",
+            dtype, device.type, dtype,
+        )  # fmt: skip
         return None
-    if setting not in (None, "gguf", "int8", "fp8"):
+    if setting in (None, "none"):
+        return None
+    if setting not in ("gguf", "int8", "fp8"):
         raise ValueError(f"quantization {setting!r} is not supported; supported: fp8, gguf, int8, none")
     if setting == "fp8":
         why = fp8.refusal(device, dtype)
         if why is not None:
             raise ValueError(f"quantization='fp8' cannot run here: {why}")
         return fp8.Fp8Config(prequantized)
-    gguf_runs = device.type == "cpu" and dtype == torch.float32 and kernels_available()
     if setting == "int8":
         if not gguf_runs:
             where = f"{device.type}, {dtype}"
