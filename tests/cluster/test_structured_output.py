@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterator
 
 import jsonschema
+import partial_json_parser
 import pytest
 
 from raytp import LLM, RequestError, SamplingParams, StructuredOutputsParams
@@ -138,7 +139,14 @@ def test_json_object_regex_choice_grammar(llm: LLM) -> None:
         )
         for out in outs:
             c = out.outputs[0]
+            if "json_object" in spec and c.finish_reason == "length":
+                # At temperature 1.0 a 135M model runs on inside a JSON string in ~30% of samples (44-45 of 64
+                # stop within 60 tokens, dequantized fp32 and GGUF blocks alike): a cut-off object must still be
+                # a valid prefix of one.
+                assert isinstance(partial_json_parser.loads(c.text), dict), c.text
+                continue
             assert c.finish_reason == "stop" and valid(c.text), (spec, c.text)
+        assert any(o.outputs[0].finish_reason == "stop" for o in outs), spec
 
 
 def test_n_and_best_of_samples_each_valid(llm: LLM) -> None:

@@ -54,6 +54,8 @@ def test_models_list(server: LiveServer) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
+    # the embedded Q4_1 GGUF, served with no quantization asked for, runs in its blocks (issue 39, must-show 3)
+    assert models.data[0].model_extra is not None and models.data[0].model_extra["quantization"] == "gguf"
 
 
 def test_completions_greedy_equal_offline(server: LiveServer, llm: LLM) -> None:
