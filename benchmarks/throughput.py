@@ -114,6 +114,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="raytp's torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--quantization", default=None, help="raytp's quantization (default: the engine's; 'none' dequantizes a GGUF)"
+    )
     ap.add_argument("--vllm-log", default=None, help="write vLLM's own log here (default: discarded)")
     args = ap.parse_args()
     if args.skip_hf:
@@ -125,7 +128,7 @@ def main() -> None:
 
     from raytp import LLM
 
-    engine_kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
+    engine_kw: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "quantization": args.quantization}
     if args.max_num_batched_tokens is not None:
         engine_kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     model = args.model
@@ -147,7 +150,8 @@ def main() -> None:
     baseline, baseline_mem = _start_baseline(args, model, raytp_mem)
     cfg = llm.llm_engine.config
     print(
-        f"model: {model or 'embedded SmolLM2-135M-Instruct'}; raytp: torch threads {torch.get_num_threads()}, "
+        f"model: {model or 'embedded SmolLM2-135M-Instruct'} ({llm.llm_engine.quantization}); raytp: torch threads "
+        f"{torch.get_num_threads()}, "
         f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
         f"block_size {cfg.block_size}, KV blocks {llm.llm_engine.block_manager.num_device_blocks}"
     )

@@ -39,7 +39,9 @@ def compare_flags(
 
     if len(flags) != 2:
         raise ValueError(f"compare_flags compares two configurations; got {list(flags)}")
-    model_dir = hf_model_dir(model)
+    # a .gguf file is served as it is (its quantization is what an A/B may compare); anything else as the
+    # safetensors directory vLLM would also load
+    model_dir = model if model is not None and model.endswith(".gguf") else hf_model_dir(model)
     summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in flags}
     for r in range(rounds):
         work = random_requests(num_prompts, input_len, output_len, 10000, 0, r)

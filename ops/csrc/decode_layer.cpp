@@ -56,7 +56,7 @@ struct Ops {
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                                 int64_t, double, const Tensor&)>
       paged_decode_attention;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&, int64_t)> gguf_linear;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&, int64_t, const std::optional<Tensor>&)> gguf_linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panel_linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panel_linear_silu_mul;
 };
@@ -75,7 +75,7 @@ const Ops& ops() {
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("raytp_cpu::write_kv_cache"),
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t, double,
                 const Tensor&)>("raytp_cpu::paged_decode_attention"),
-      find<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&, int64_t)>("raytp_cpu::gguf_linear"),
+      find<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&, int64_t, const std::optional<Tensor>&)>("raytp_cpu::gguf_linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::panel_linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t)>("raytp_cpu::panel_linear_silu_mul"),
   };
@@ -135,7 +135,8 @@ Tensor linear(const Linear& l, const Tensor& x, int64_t road) {
   const int64_t stride = l.kind == kKindGguf16 ? 2 : 1;  // tensors per segment
   const auto segment = [&](int64_t s) {
     return o.gguf_linear.call(x, l.weights[stride * s], l.qtypes[s],
-                              stride == 2 ? std::optional<Tensor>(l.weights[2 * s + 1]) : std::nullopt, road);
+                              stride == 2 ? std::optional<Tensor>(l.weights[2 * s + 1]) : std::nullopt, road,
+                              std::nullopt);
   };
   if (l.kind == kKindPanels) {
     y = o.panel_linear.call(x, l.weights[0], l.out_features);

@@ -554,9 +554,11 @@ void run_q8x16(const QuantX& qx, int64_t rows, int64_t k_len, const uint8_t* pac
 
 // packed: the matrix's copy from gguf_q4x16_pack (Q4_0 / Q4_1) or gguf_q8x16_pack (Q8_0), taken by the integer road
 // where given and non-empty.
-// road: gguf_dequant_gemm.h's kRoad* (which road the rows take; kRoadByRows: by their count).
+// road: gguf_dequant_gemm.h's kRoad* (which road the rows take; kRoadByRows: by their count). out: where to write
+// the [M, N] result (a contiguous float32 block, e.g. rows of a step's output that other calls fill), else a new
+// tensor.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& packed,
-                       int64_t road) {
+                       int64_t road, const std::optional<at::Tensor>& out_arg) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "gguf_linear: x [M, K] and w [N, row bytes] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "gguf_linear: float32 x, uint8 w");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "gguf_linear: x needs a contiguous last dim, w must be contiguous");
@@ -567,8 +569,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
               " is not a multiple of 256 (a K-quant super-block)");
   const int64_t row_bytes = super_bytes ? k_len / raytp::kSuper * super_bytes : k_len / kBlock * block_bytes(qtype);
   TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: w rows hold ", w.size(1), " bytes, K = ", k_len, " needs ", row_bytes);
+  if (out_arg.has_value())
+    TORCH_CHECK(out_arg->dim() == 2 && out_arg->size(0) == rows && out_arg->size(1) == n_out &&
+                    out_arg->scalar_type() == at::kFloat && out_arg->is_contiguous(),
+                "gguf_linear: out must be a contiguous float32 [", rows, ", ", n_out, "]");
+  const auto result = [&]() { return out_arg.has_value() ? *out_arg : at::empty({rows, n_out}, x.options()); };
   if (raytp::dequant_road(rows, road)) {  // a prefill chunk: W dequantized per chunk, fp32 FMA tiles
-    at::Tensor out = at::empty({rows, n_out}, x.options());
+    at::Tensor out = result();
     raytp::gguf_dequant_linear(qtype, x.data_ptr<float>(), x.stride(0), rows, k_len, w.data_ptr<uint8_t>(), row_bytes,
                                n_out, out.data_ptr<float>());
     return out;
@@ -626,7 +633,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #endif
     }
   });
-  at::Tensor out = at::empty({rows, n_out}, x.options());
+  at::Tensor out = result();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (x16) {
@@ -649,6 +656,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) { m.def("gguf_linear(Tensor x, Tensor w, int qtype, Tensor? packed=None, int road=0) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(raytp_cpu, m) { m.def(
+      "gguf_linear(Tensor x, Tensor w, int qtype, Tensor? packed=None, int road=0, Tensor(a!)? out=None) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(raytp_cpu, CPU, m) { m.impl("gguf_linear", &gguf_linear); }

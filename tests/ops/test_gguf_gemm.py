@@ -160,6 +160,12 @@ def test_bad_inputs_are_refused() -> None:
         torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 96), w.raw, w.qtype)
     with pytest.raises(RuntimeError, match="no kernel"):
         torch.ops.raytp_cpu.gguf_linear(torch.randn(1, 64), w.raw, 6)  # Q5_0
+    with pytest.raises(RuntimeError, match="out must be"):
+        gguf_linear(torch.randn(2, 64), w.raw, w.qtype, out=torch.empty(2, 9))
+    out = torch.full((3, 8), float("nan"))  # written in place, rows 1 and 2 of it
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    gguf_linear(x, w.raw, w.qtype, out=out.narrow(0, 1, 2))
+    assert torch.equal(out[1:], gguf_linear(x, w.raw, w.qtype)) and out[0].isnan().all()
 
 
 @needs_avx512

@@ -71,13 +71,20 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(
 
 
 @pytest.mark.skipif(not has_dequant_road, reason="the dequantizing road needs AVX-512F")
+@pytest.mark.parametrize("layout", ["runs", "interleaved"])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
-def test_a_step_splits_its_rows_by_kind(qtype: T) -> None:
-    """A mixed step (prompt rows beside generated rows, interleaved): each row gets its own road's bits; a step
-    of one kind runs one call on that road; no step: by row count."""
+def test_a_step_splits_its_rows_by_kind(layout: str, qtype: T) -> None:
+    """A mixed step (prompt rows beside generated rows: in a few runs, each written in place, or interleaved,
+    gathered): each row gets its own road's bits; a step of one kind runs one call on that road; no step: by row
+    count."""
     raw, packed = _weights(qtype, 32, seed=5)
     x = torch.randn(21, K, generator=torch.Generator().manual_seed(5))
-    generated = torch.tensor([i % 3 == 0 for i in range(21)])
+    if layout == "runs":  # decode rows, a prompt chunk, decode rows
+        generated = torch.tensor([i < 3 or i >= 17 for i in range(21)])
+        assert len(row_roads.StepRoads.of(generated).runs) == 3
+    else:
+        generated = torch.tensor([i % 3 == 0 for i in range(21)])
+        assert not row_roads.StepRoads.of(generated).runs
     integer = gguf_linear(x, raw, int(qtype), packed, row_roads.INTEGER)
     dequant = gguf_linear(x, raw, int(qtype), packed, row_roads.DEQUANT)
     assert not torch.equal(integer, dequant)  # the roads' bits do differ, so the checks below can fail
@@ -98,10 +105,13 @@ def test_a_step_splits_its_rows_by_kind(qtype: T) -> None:
 def test_step_roads_of_a_mask() -> None:
     assert row_roads.StepRoads.of(torch.tensor([True, True])).road == row_roads.INTEGER
     assert row_roads.StepRoads.of(torch.tensor([False])).road == row_roads.DEQUANT
-    mixed = row_roads.StepRoads.of(torch.tensor([False, True, False, True, True]))
-    assert mixed.road == row_roads.BY_ROWS and mixed.num_rows == 5
-    assert mixed.generated is not None and mixed.generated.tolist() == [1, 3, 4]
-    assert mixed.prompt is not None and mixed.prompt.tolist() == [0, 2]
+    runs = row_roads.StepRoads.of(torch.tensor([True, False, False, True, True]))
+    assert runs.road == row_roads.BY_ROWS and runs.num_rows == 5
+    assert runs.runs == ((0, 1, row_roads.INTEGER), (1, 2, row_roads.DEQUANT), (3, 2, row_roads.INTEGER))
+    mixed = row_roads.StepRoads.of(torch.tensor([False, True, False, True, False, True]))  # 6 runs
+    assert mixed.road == row_roads.BY_ROWS and not mixed.runs
+    assert mixed.generated is not None and mixed.generated.tolist() == [1, 3, 5]
+    assert mixed.prompt is not None and mixed.prompt.tolist() == [0, 2, 4]
 
 
 def test_an_unknown_road_is_refused() -> None:

@@ -45,26 +45,33 @@ def gguf_linear(
     qtype: int,
     packed: torch.Tensor | None = None,
     road: int = row_roads.BY_ROWS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T for W's rows `raw` [N, bytes] in GGML type `qtype`'s block layout; `packed`: their
     `decode_pack` copy, which the integer road reads instead; `road`: `row_roads`' INTEGER, DEQUANT or BY_ROWS
-    (the call's row count picks)."""
+    (the call's row count picks); `out`: a contiguous [rows, N] float32 tensor to write (and return)."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if rows.dtype != torch.float32:
         raise ValueError(f"GGUF block weights multiply float32 activations, got {rows.dtype}")
-    y = torch.ops.raytp_cpu.gguf_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), raw, qtype, packed, road)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    y = torch.ops.raytp_cpu.gguf_linear(rows, raw, qtype, packed, road, out)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])
 
 
 def gguf_rows_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, packed: torch.Tensor | None) -> torch.Tensor:
     """`gguf_linear` of a decoder layer's rows, each on its kind's road (`row_roads`): a step of one kind in one
-    call, a mixed step (a prompt chunk beside decode rows) as two calls whose rows are scattered back."""
+    call; a mixed step (a prompt chunk beside decode rows) one call per run of a kind, from a view of x into its
+    rows of the output, or with many runs one call per kind on its gathered rows, scattered back."""
     roads = row_roads.for_rows(x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1])
     if roads is None or roads.road != row_roads.BY_ROWS:
         return gguf_linear(x, raw, qtype, packed, row_roads.BY_ROWS if roads is None else roads.road)
-    assert roads.generated is not None and roads.prompt is not None
     rows = x.reshape(-1, x.shape[-1])
     y = rows.new_empty(rows.shape[0], raw.shape[0])
+    if roads.runs:  # each run written in place: no copy of x or of the output
+        for at, n, road in roads.runs:
+            gguf_linear(rows.narrow(0, at, n), raw, qtype, packed, road, y.narrow(0, at, n))
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])
+    assert roads.generated is not None and roads.prompt is not None
     y[roads.generated] = gguf_linear(rows[roads.generated], raw, qtype, packed, row_roads.INTEGER)
     y[roads.prompt] = gguf_linear(rows[roads.prompt], raw, qtype, packed, row_roads.DEQUANT)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], raw.shape[0])

@@ -36,15 +36,24 @@ INTEGER = 1
 DEQUANT = 2
 
 
+# A mixed step with at most this many runs of one kind (the usual one: decode rows, then a prompt chunk) runs
+# each run from a view of x into its rows of the output; more runs gather each kind's rows instead (one
+# dequantizing call however the prompt rows are spread). Measured on SmolLM2's Q4_1 shapes, 30 layers, 2 threads,
+# a 256-token chunk beside a decode row: gathered and scattered rows cost +6% over one call for all rows, runs
+# in place -6% (210 against 222 ms).
+MAX_RUNS = 4
+
+
 @dataclass(frozen=True)
 class StepRoads:
-    """One step's rows split by road: `road` when they all take one; else the generated rows' and the prompt
-    rows' indices (computed once per step, read by every linear layer)."""
+    """One step's rows split by road: `road` when they all take one; else (computed once per step, read by
+    every linear layer) its runs of one kind, or, when there are more than MAX_RUNS, each kind's rows."""
 
     num_rows: int
-    road: int  # INTEGER or DEQUANT when uniform, BY_ROWS when mixed (then the indices below)
-    generated: torch.Tensor | None = None  # [G] int64 rows on the integer tiles
-    prompt: torch.Tensor | None = None  # [P] int64 rows on the dequantizing road
+    road: int  # INTEGER or DEQUANT when uniform, BY_ROWS when mixed (then `runs`, or the indices below)
+    runs: tuple[tuple[int, int, int], ...] = ()  # (first row, rows, road) in row order
+    generated: torch.Tensor | None = None  # [G] int64 rows on the integer tiles (many runs)
+    prompt: torch.Tensor | None = None  # [P] int64 rows on the dequantizing road (many runs)
 
     @staticmethod
     def of(generated: torch.Tensor) -> StepRoads:
@@ -55,7 +64,15 @@ class StepRoads:
             return StepRoads(num_rows, INTEGER)
         if num_generated == 0:
             return StepRoads(num_rows, DEQUANT)
-        return StepRoads(num_rows, BY_ROWS, generated.nonzero().flatten(), (~generated).nonzero().flatten())
+        starts = [0, *(torch.nonzero(generated[1:] != generated[:-1]).flatten() + 1).tolist()]
+        if len(starts) <= MAX_RUNS:
+            kinds = generated[starts].tolist()
+            ends = [*starts[1:], num_rows]
+            runs = tuple((a, b - a, INTEGER if g else DEQUANT) for a, b, g in zip(starts, ends, kinds, strict=True))
+            return StepRoads(num_rows, BY_ROWS, runs=runs)
+        return StepRoads(
+            num_rows, BY_ROWS, generated=generated.nonzero().flatten(), prompt=(~generated).nonzero().flatten()
+        )
 
 
 # per thread (a context variable): a forward runs on the thread that set its step
