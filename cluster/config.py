@@ -101,8 +101,9 @@ class EngineConfig:
     )
     quantization: str | None = _opt(
         None,
-        "weight quantization: default none (float weights; a GGUF dequantized); gguf (a GGUF keeps its "
-        "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on the CPU in float32; refused where it cannot run); int8 (weight-only, "
+        "weight quantization: default: a GGUF keeps its blocks where they run (CPU, float32), any other checkpoint "
+        "its floats; none (float weights; a GGUF dequantized); gguf (a GGUF keeps its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
+        "blocks on the CPU in float32; refused where it cannot run); int8 (weight-only, "
         "scales per 32 weights computed at load; CPU float32); fp8 (FP8 weights per channel and activations per "
         "token on CUDA compute capability >= 8.9, dtype bfloat16; a pre-quantized FP8 checkpoint selects it by itself)",
         QUANTIZATIONS,

@@ -38,9 +38,10 @@ def select_quantization(
 
     Decision: a GGUF keeps its blocks by default, as vLLM runs a GGUF quantized. Each row's road through the
     block kernels is its kind's (`row_roads`: generated tokens the integer tiles, prompt tokens the dequantized
-    panels), so a seeded sample does not follow its neighbours. Measured on the idle machine (docs/benchmarks.md):
-    one stream of the Q4_1 default decodes at 3.7x the dequantized fp32 and prefills at 0.92x; offline with 32
-    concurrent requests it runs at 0.95x."""
+    panels), so a seeded sample does not follow its neighbours. Measured on the idle machine (docs/benchmarks.md,
+    2026-11-29 10:26-11:05 UTC): one stream of the Q4_1 default decodes at 4.2x the dequantized fp32 and prefills
+    at 0.96x; offline, 32 requests of 57-763 prompt tokens, 0.98x; served at 0.5 req/s, ITL p50 2.3x lower and
+    TTFT p50 10% higher; the served process tree 0.78 GiB smaller."""
     prequantized = checkpoint_fp8(checkpoint_config)
     if prequantized is not None:
         if setting not in (None, "fp8"):
