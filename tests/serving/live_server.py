@@ -91,15 +91,17 @@ def live_server(args: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveServer]
 
 
 def _start_local_ray(num_cpus: int) -> None:
-    """A local Ray for one server; started a second time if its node did not register within Ray's fixed 30 s
-    (a fresh-clone CI run on 2026-11-29 lost a whole module to "The current node timed out during startup" while
-    the other xdist worker loaded both cores). Any other error, or a second timeout, fails the test."""
+    """A local Ray for one server; started a second time if its node did not register, or its GCS did not write
+    its port file, within Ray's fixed timeouts (fresh-clone CI runs on 2026-11-29 lost a whole module to "The
+    current node timed out during startup" and to "Timed out waiting for file .../gcs_server_port..." while the
+    other xdist worker loaded both cores). Any other error, or a second timeout, fails the test."""
     for attempt in (1, 2):
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
             return
         except Exception as e:
-            if attempt == 2 or "timed out during startup" not in str(e):
+            startup_timeout = "timed out during startup" in str(e) or "Timed out waiting for file" in str(e)
+            if attempt == 2 or not startup_timeout:
                 raise
             ray.shutdown()
 
