@@ -75,14 +75,28 @@ class StepRoads:
         )
 
 
+class _Step:
+    """The step's mask, and its roads once first asked for (by a GGUF call, or the CPU's fused decode step, which
+    must not take a mixed step): the CUDA road and a float model's prefill steps compute nothing."""
+
+    def __init__(self, generated: torch.Tensor) -> None:
+        self.generated = generated
+        self.roads: StepRoads | None = None
+
+    def get(self) -> StepRoads:
+        if self.roads is None:
+            self.roads = StepRoads.of(self.generated)
+        return self.roads
+
+
 # per thread (a context variable): a forward runs on the thread that set its step
-_current: ContextVar[StepRoads | None] = ContextVar("raytp_gguf_step_roads", default=None)
+_current: ContextVar[_Step | None] = ContextVar("raytp_gguf_step_roads", default=None)
 
 
 @contextmanager
 def step(generated: torch.Tensor | None) -> Iterator[None]:
     """The forward inside runs its rows' roads by `generated` ([T] bool, host; None: by row count)."""
-    token = _current.set(None if generated is None else StepRoads.of(generated))
+    token = _current.set(None if generated is None else _Step(generated))
     try:
         yield
     finally:
@@ -92,5 +106,7 @@ def step(generated: torch.Tensor | None) -> Iterator[None]:
 def for_rows(num_rows: int) -> StepRoads | None:
     """The current step's roads when a call multiplies its rows (every linear of the decoder does), else None:
     no step set, or a call over some other set of rows (by row count then)."""
-    roads = _current.get()
-    return roads if roads is not None and roads.num_rows == num_rows else None
+    current = _current.get()
+    if current is None or current.generated.numel() != num_rows:
+        return None
+    return current.get()
